@@ -48,6 +48,7 @@ class Prediction:
         label: the most probable label.
         score: its probability.
         scores: probability of every label (sums to 1), in task label order.
+        logprobs: the same as natural logs, computed in log space (no underflow).
         suffix_tokens: tokens computed for this row (its suffix, plus the shared label
             trie in sequence mode); the prefix tokens were reused from the cache.
         text_tokens: tokens of the row's text before any truncation.
@@ -58,6 +59,7 @@ class Prediction:
     score: float
     scores: dict[str, float]
     suffix_tokens: int
+    logprobs: dict[str, float] = dataclasses.field(default_factory=dict, repr=False)
     text_tokens: int = 0
     truncated: bool = False
 
@@ -244,11 +246,13 @@ class PrefixClassifier:
         return logp
 
     def _prediction(self, raw: torch.Tensor, enc: EncodedText, computed: int) -> Prediction:
-        probs = self._normalise(raw).exp().tolist()
+        logp = self._normalise(raw)
+        probs, logs = logp.exp().tolist(), logp.tolist()
         names = self.task.label_names
-        best = max(range(len(names)), key=probs.__getitem__)
+        best = max(range(len(names)), key=logs.__getitem__)
         return Prediction(label=names[best], score=probs[best], scores=dict(zip(names, probs)),
-                          suffix_tokens=computed, text_tokens=enc.text_tokens, truncated=enc.truncated)
+                          suffix_tokens=computed, logprobs=dict(zip(names, logs)),
+                          text_tokens=enc.text_tokens, truncated=enc.truncated)
 
     def _calibration_vector(self, texts: Sequence[str]) -> torch.Tensor:
         """Mean label log-probabilities of content-free inputs, through the same cache."""

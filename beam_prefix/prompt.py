@@ -95,9 +95,7 @@ class PromptLayout:
         self._prefix_lead_ids = self._encode_plain(lead[:split])
         self._after_ids = self._encode_static(after)
         self.prefix_ids: tuple[int, ...] = self._head_ids + self._prefix_lead_ids
-        self.label_ids: tuple[tuple[int, ...], ...] = tuple(
-            self._encode_plain(label_lead + name) + self._encode_static(terminator)
-            for name in task.label_names)
+        self.label_ids: tuple[tuple[int, ...], ...] = ()  # set by `_derive_label_ids`
 
     # -- construction -------------------------------------------------------------------
 
@@ -139,7 +137,7 @@ class PromptLayout:
                          label_lead=label_lead, terminator=terminator)
             bad = [p for p in probes if not layout._is_clean(p)]
             if not bad:
-                layout._check_labels(probes[0])
+                layout._derive_label_ids(probes[:3])
                 if split != len(lead):
                     _LOGGER.info("prefix boundary moved back %d chars (%r stays in the suffix) "
                                  "to keep it token-clean", len(lead) - split, lead[split:])
@@ -181,23 +179,34 @@ class PromptLayout:
         return span_ids[n:] + self._after_ids
 
     def _is_clean(self, text: str) -> bool:
-        split_ids = self._prefix_lead_ids + self._encode_plain(self._lead[self._split:] + text + self._tail)
-        return split_ids == self._encode_plain(self._span(text))
+        """encode(prefix) + encode(suffix) == encode(prefix + suffix) for `text`: the
+        natural encoding of the row's span starts with the prefix's tokens."""
+        return self._suffix_from_span(self._encode_plain(self._span(text))) is not None
 
-    def _check_labels(self, probe: str) -> None:
-        base = self.natural_ids(probe)
-        for name, ids in zip(self.task.label_names, self.label_ids):
+    def _with_continuation(self, text: str, cont: str) -> tuple[int, ...]:
+        """Natural ids of the prompt for `text` followed by `cont` (e.g. a label)."""
+        if self._after:
+            return self._head_ids + self._encode_plain(self._span(text)) + self._encode_static(self._after + cont)
+        return self._head_ids + self._encode_plain(self._span(text, cont))
+
+    def _derive_label_ids(self, probes: Sequence[str]) -> None:
+        """Each label's tokens as the tokenizer writes them after the prompt; the same on
+        every probe, or the label boundary is not clean."""
+        label_ids = []
+        for name in self.task.label_names:
             cont = self.label_lead + name + self.terminator
-            if self._after:
-                natural = self._head_ids + self._encode_plain(self._span(probe)) + \
-                    self._encode_static(self._after + cont)
-            else:
-                natural = self._head_ids + self._encode_plain(self._span(probe, cont))
-            if natural != base + ids:
+            found = set()
+            for probe in probes:
+                base = self.natural_ids(probe)
+                ids = self._with_continuation(probe, cont)
+                found.add(ids[len(base):] if ids[:len(base)] == base else None)
+            if len(found) != 1 or None in found or not next(iter(found)):
                 raise BoundaryError(
                     f"label {name!r} does not tokenize cleanly after the prompt: the prompt ends "
-                    f"with {(self._tail + self._after)[-20:]!r} and the label continuation is "
-                    f"{cont!r}; rename the label or end the prompt with a separator")
+                    f"with {(self._tail + self._after)[-20:]!r} and the label continuation "
+                    f"{cont!r} merges with it; rename the label or end the prompt with a separator")
+            label_ids.append(next(iter(found)))
+        self.label_ids = tuple(label_ids)
 
     def encode(self, text: str) -> EncodedText:
         """Encode one row's text for the cached path, applying the token budget.
@@ -251,6 +260,11 @@ class PromptLayout:
         raise TextTooLongError(f"text cannot be truncated to {budget} tokens")
 
     # -- identity -----------------------------------------------------------------------
+
+    @property
+    def prefix_text(self) -> str:
+        """The cached prefix as text."""
+        return self._head_static + self._lead[:self._split]
 
     @property
     def prefix_length(self) -> int:
