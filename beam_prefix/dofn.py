@@ -1,0 +1,220 @@
+"""`PrefixCachedClassifyDoFn`: classify batches of rows with a per-worker prefix cache.
+
+`setup()` acquires the model through a process-wide `apache_beam.utils.shared.Shared`
+handle (one load per worker process, shared by every thread and by every ClassifyText
+step that uses the same model), gets the task's prefix cache (built once per process and
+task, read-only), and forks its own classifier whose working cache no other thread
+touches. `process()` takes a list of rows (from `BatchElements`), validates each row,
+classifies the good ones in one call, and emits every row exactly once: to the main
+(`labeled`) output or to the `failed` output with a reason and a stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import threading
+import time
+from typing import Any, Iterable, Mapping
+
+import apache_beam as beam
+from apache_beam.utils import shared
+
+from beam_prefix.classifier import PrefixClassifier
+from beam_prefix.errors import RowError
+from beam_prefix.metrics import ClassifyMetrics, ProgressLog
+from beam_prefix.model import EMBEDDED, load_model
+from beam_prefix.task import TaskSpec
+
+__all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "FAILED_TAG", "LABELED_TAG", "prob_column"]
+
+_LOGGER = logging.getLogger(__name__)
+
+LABELED_TAG = "labeled"
+FAILED_TAG = "failed"
+
+# One handle per process: every DoFn that refers to it (any step, any thread) shares
+# the models acquired through it, keyed by tag (model, dtype).
+_MODEL_HANDLE = shared.Shared()
+
+
+def prob_column(label: str) -> str:
+    """Output column holding a label's probability (BigQuery/Parquet-safe name)."""
+    return "prob_" + re.sub(r"[^0-9A-Za-z_]", "_", label)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifyConfig:
+    """What the DoFn needs; validated at pipeline construction, not on the workers.
+
+    Args:
+        task: the task.
+        model: ``embedded``, a directory, ``.gguf``, ``gs://`` directory or hub id.
+        text_column: the column holding the text.
+        id_column: optional id column, echoed in failed rows for easy lookup.
+        dtype: ``float32`` (exact) or ``bfloat16``.
+        threads: torch intra-op threads per worker process.
+        batch_size: rows per forward pass (rows of a Beam batch are sorted by length first).
+        verify: run the cached-vs-full self-check when the prefix cache is built.
+    """
+
+    task: TaskSpec
+    model: str = EMBEDDED
+    text_column: str = "text"
+    id_column: str | None = None
+    dtype: str = "float32"
+    threads: int | None = None
+    batch_size: int = 16
+    verify: bool = True
+
+    def __post_init__(self):
+        columns = [prob_column(n) for n in self.task.label_names]
+        if len(set(columns)) != len(columns):
+            raise ValueError(f"labels {self.task.label_names} map to clashing column names {columns}")
+        if not self.text_column:
+            raise ValueError("text_column must be a column name")
+
+    @property
+    def model_tag(self) -> str:
+        return f"{self.model}|{self.dtype}"
+
+    @property
+    def task_key(self) -> str:
+        return json.dumps([dataclasses.asdict(self.task), self.batch_size], sort_keys=True, default=str)
+
+
+class _ModelHolder:
+    """The shared per-process object: one model, and one base classifier per task."""
+
+    loads = 0  # model loads in this process (tests count them)
+    last: "_ModelHolder | None" = None
+
+    def __init__(self, config: ClassifyConfig):
+        type(self).loads += 1
+        type(self).last = self
+        self.prefix_builds = 0
+        self.forks = 0
+        self.loaded = load_model(config.model, dtype=config.dtype, threads=config.threads)
+        self._lock = threading.Lock()
+        self._classifiers: dict[str, PrefixClassifier] = {}
+        self._progress: dict[str, ProgressLog] = {}
+
+    def classifier_for(self, config: ClassifyConfig) -> PrefixClassifier:
+        with self._lock:  # the prefix cache of a task is built once per process
+            base = self._classifiers.get(config.task_key)
+            if base is None:
+                base = PrefixClassifier(task=config.task, loaded=self.loaded,
+                                        batch_size=config.batch_size, verify=config.verify)
+                self._classifiers[config.task_key] = base
+                self.prefix_builds += 1
+            self.forks += 1
+        return base.fork()
+
+    def progress_for(self, name: str) -> ProgressLog:
+        """One progress line per step and worker process, fed by all its threads."""
+        with self._lock:
+            return self._progress.setdefault(name, ProgressLog(name))
+
+
+class PrefixCachedClassifyDoFn(beam.DoFn):
+    """Classify a batch (list) of dict rows; main output `labeled`, tagged output `failed`.
+
+    Labelled rows are the input columns plus ``label``, ``score``, one ``prob_<label>``
+    column per label, ``truncated``, ``prompt_fingerprint`` and ``model``. Failed rows are
+    ``{"row": <input row>, "id": ..., "reason": ..., "error": ..., "stage": ...}``.
+    """
+
+    def __init__(self, config: ClassifyConfig, *, step_name: str = "ClassifyText"):
+        self.config = config
+        self.step_name = step_name
+        self._clf: PrefixClassifier | None = None
+
+    def setup(self):
+        holder = _MODEL_HANDLE.acquire(lambda: _ModelHolder(self.config), tag=self.config.model_tag)
+        self._holder = holder  # a strong reference keeps the shared model alive
+        self._clf = holder.classifier_for(self.config)
+        self._metrics = ClassifyMetrics()
+        self._progress = holder.progress_for(f"{self.step_name}[{self.config.task.name}]")
+        self._prob_columns = [prob_column(n) for n in self.config.task.label_names]
+
+    def process(self, batch: Iterable[Any]):
+        rows = [_as_dict(r, self.config.text_column) for r in batch]
+        good, encoded = [], []
+        for row in rows:
+            try:
+                encoded.append(self._clf.encode(self._text_of(row)))
+                good.append(row)
+            except RowError as e:
+                yield self._failed(row, e.reason, str(e), "validate")
+        if not good:
+            return
+        start = time.perf_counter()
+        try:
+            predictions = self._clf.classify_encoded(encoded)
+        except Exception as e:  # one bad batch: retry row by row, fail only what still fails
+            _LOGGER.warning("%s: batch of %d rows failed (%s); retrying row by row",
+                            self.step_name, len(good), e)
+            self._metrics.model_retries.inc()
+            predictions = []
+            for row, enc in zip(good, encoded):
+                try:
+                    predictions.append(self._clf.classify_encoded([enc])[0])
+                except Exception as row_error:
+                    predictions.append(row_error)
+        elapsed = time.perf_counter() - start
+        self._metrics.batch_size.update(len(good))
+        self._metrics.batch_latency.update(int(elapsed * 1e6))
+        done = 0
+        for row, pred in zip(good, predictions):
+            if isinstance(pred, Exception):
+                yield self._failed(row, "model_error", f"{type(pred).__name__}: {pred}", "model")
+                continue
+            done += 1
+            self._metrics.suffix_tokens_computed.inc(pred.suffix_tokens)
+            self._metrics.prefix_tokens_reused.inc(self._clf.prefix_length)
+            if pred.truncated:
+                self._metrics.rows_truncated.inc()
+            yield self._labeled(row, pred)
+        self._metrics.rows_classified.inc(done)
+        self._progress.add(done, elapsed)
+
+    def teardown(self):
+        self._clf = None
+        self._holder = None
+
+    def _text_of(self, row: Mapping[str, Any]):
+        if self.config.text_column not in row:
+            raise RowError(f"row has no column {self.config.text_column!r} (columns: {sorted(row)})",
+                           reason="missing_column")
+        return row[self.config.text_column]
+
+    def _labeled(self, row: dict, pred) -> dict:
+        out = dict(row)
+        out["label"] = pred.label
+        out["score"] = pred.score
+        for column, name in zip(self._prob_columns, self.config.task.label_names):
+            out[column] = pred.scores[name]
+        out["truncated"] = pred.truncated
+        out["prompt_fingerprint"] = self._clf.fingerprint
+        out["model"] = self._clf.model_id
+        return out
+
+    def _failed(self, row: dict, reason: str, error: str, stage: str):
+        self._metrics.rows_failed.inc()
+        record = {"row": row, "id": row.get(self.config.id_column) if self.config.id_column else None,
+                  "reason": reason, "error": error, "stage": stage}
+        return beam.pvalue.TaggedOutput(FAILED_TAG, record)
+
+
+def _as_dict(row: Any, text_column: str) -> dict:
+    if isinstance(row, Mapping):
+        return dict(row)
+    if hasattr(row, "_asdict"):  # NamedTuples
+        return dict(row._asdict())
+    if isinstance(row, beam.Row):
+        return dict(row.as_dict())
+    if isinstance(row, (str, bytes)):  # a bare text is a row with only the text column
+        return {text_column: row}
+    return {"value": row}  # fails validation: no text column

@@ -1,0 +1,62 @@
+"""Beam metrics and the per-worker progress log line.
+
+All metrics live in the `beam_prefix` namespace; names carry their unit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from apache_beam.metrics import Metrics
+
+__all__ = ["ClassifyMetrics", "ProgressLog", "NAMESPACE"]
+
+NAMESPACE = "beam_prefix"
+_LOGGER = logging.getLogger(__name__)
+
+
+class ClassifyMetrics:
+    """Counters and distributions updated by the classify DoFn."""
+
+    def __init__(self):
+        self.rows_classified = Metrics.counter(NAMESPACE, "rows_classified")
+        self.rows_failed = Metrics.counter(NAMESPACE, "rows_failed")
+        self.rows_truncated = Metrics.counter(NAMESPACE, "rows_truncated")
+        self.prefix_tokens_reused = Metrics.counter(NAMESPACE, "prefix_tokens_reused")
+        self.suffix_tokens_computed = Metrics.counter(NAMESPACE, "suffix_tokens_computed")
+        self.batch_size = Metrics.distribution(NAMESPACE, "batch_size_rows")
+        self.batch_latency = Metrics.distribution(NAMESPACE, "batch_latency_micros")
+        self.model_retries = Metrics.counter(NAMESPACE, "batches_retried_row_by_row")
+
+
+class ProgressLog:
+    """Logs `rows done, rows/s, ms/row` every `every_rows` rows or `every_s` seconds.
+
+    One per worker process (shared by its threads), so the line reports the worker.
+    """
+
+    def __init__(self, name: str, every_rows: int = 100, every_s: float = 30.0):
+        self.name = name
+        self.every_rows = every_rows
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._start = None
+        self._rows = 0
+        self._busy_s = 0.0
+        self._last_rows = 0
+        self._last_t = 0.0
+
+    def add(self, rows: int, busy_s: float) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            if self._start is None:
+                self._start = self._last_t = now - busy_s
+            self._rows += rows
+            self._busy_s += busy_s
+            if self._rows - self._last_rows >= self.every_rows or now - self._last_t >= self.every_s:
+                elapsed = max(now - self._start, 1e-9)
+                _LOGGER.info("%s: %d rows done, %.1f rows/s, %.1f ms/row", self.name, self._rows,
+                             self._rows / elapsed, 1e3 * self._busy_s / max(self._rows, 1))
+                self._last_rows, self._last_t = self._rows, now

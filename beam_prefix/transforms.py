@@ -1,0 +1,81 @@
+"""`ClassifyText`: the composite transform to drop into an existing Beam pipeline.
+
+    result = rows | ClassifyText(task="pipelines/tasks/support_tickets.yaml", text_column="text")
+    result.labeled  # input columns + label, score, prob_<label>..., truncated, prompt_fingerprint, model
+    result.failed   # {"row", "id", "reason", "error", "stage"}
+
+Rows are dicts (or `beam.Row`s, or bare strings); they are batched with
+`beam.BatchElements` (bounds settable), and each batch is classified by
+`PrefixCachedClassifyDoFn` after sorting its rows by length, so a larger Beam batch
+groups similar lengths into each forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+
+import apache_beam as beam
+
+from beam_prefix.dofn import FAILED_TAG, LABELED_TAG, ClassifyConfig, PrefixCachedClassifyDoFn
+from beam_prefix.model import EMBEDDED
+from beam_prefix.task import TaskSpec
+
+__all__ = ["ClassifyText"]
+
+
+class ClassifyText(beam.PTransform):
+    """Classify text rows with a prefix-cached causal LM.
+
+    Args:
+        task: a `TaskSpec` or the path of a task YAML file (read at construction, so
+            workers do not need the file).
+        model: ``embedded`` (default: the task's model, else embedded), a directory, a
+            ``.gguf`` file, a ``gs://`` directory or a hub id.
+        text_column: column holding the text.
+        id_column: optional id column echoed in failed rows.
+        dtype: ``float32`` (exact, default) or ``bfloat16``.
+        threads: torch intra-op threads per worker process.
+        min_batch_size, max_batch_size: `beam.BatchElements` bounds (min defaults to
+            min(8, max_batch_size)).
+        batch_size: rows per forward pass inside a Beam batch.
+        max_text_tokens, overflow, calibration: override the task's settings.
+        verify: run the cached-vs-full self-check on each worker at start-up.
+
+    Returns:
+        a `DoOutputsTuple` with ``labeled`` and ``failed`` PCollections.
+    """
+
+    def __init__(self, *, task: TaskSpec | str | os.PathLike, model: str | None = None,
+                 text_column: str = "text", id_column: str | None = None, dtype: str = "float32",
+                 threads: int | None = None, min_batch_size: int | None = None, max_batch_size: int = 64,
+                 batch_size: int = 16, max_text_tokens: int | None = None, overflow: str | None = None,
+                 calibration=None, verify: bool = True, label: str | None = None):
+        super().__init__(label)
+        if not isinstance(task, TaskSpec):
+            task = TaskSpec.from_yaml(task)
+        changes = {k: v for k, v in (("max_text_tokens", max_text_tokens), ("overflow", overflow),
+                                     ("calibration", calibration)) if v is not None}
+        if changes:
+            task = task.replace(**changes)
+        if min_batch_size is None:
+            min_batch_size = min(8, max_batch_size)
+        if not 1 <= min_batch_size <= max_batch_size:
+            raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
+        self._config = ClassifyConfig(task=task, model=model or task.model or EMBEDDED,
+                                      text_column=text_column, id_column=id_column, dtype=dtype,
+                                      threads=threads, batch_size=batch_size, verify=verify)
+        self._min_batch_size = min_batch_size
+        self._max_batch_size = max_batch_size
+
+    @property
+    def config(self) -> ClassifyConfig:
+        return self._config
+
+    def expand(self, rows):
+        return (
+            rows
+            | "Batch" >> beam.BatchElements(min_batch_size=self._min_batch_size,
+                                            max_batch_size=self._max_batch_size)
+            | "Classify" >> beam.ParDo(PrefixCachedClassifyDoFn(self._config, step_name=self.label))
+            .with_outputs(FAILED_TAG, main=LABELED_TAG)
+        )

@@ -1,0 +1,292 @@
+"""Beam integration: ClassifyText on DirectRunner (threads, processes, portable), the DoFn,
+dead-letter output, metrics, and the RunInference handler."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+import threading
+
+import apache_beam as beam
+import pytest
+import torch
+from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.ml.inference.base import RunInference
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from beam_prefix import PrefixClassifier
+from beam_prefix.dofn import ClassifyConfig, PrefixCachedClassifyDoFn, _ModelHolder, prob_column
+from beam_prefix.handler import PrefixCachedModelHandler
+from beam_prefix.model import load_model
+from beam_prefix.transforms import ClassifyText
+
+from conftest import TEXTS, tiny_task
+
+LABELS = ("billing", "technical", "account")
+GOOD = [{"ticket_id": f"T{i}", "text": t, "channel": "email"} for i, t in enumerate(TEXTS)]
+BAD = [
+    {"ticket_id": "B1", "text": None},
+    {"ticket_id": "B2", "text": ""},
+    {"ticket_id": "B3", "text": 12345},
+    {"ticket_id": "B4", "body": "no text column"},
+    {"ticket_id": "B5", "text": b"\xff\xfe not utf-8"},
+    {"ticket_id": "B6", "text": "word " * 400},  # over budget, overflow=reject
+]
+BAD_REASONS = {"B1": "null_text", "B2": "empty_text", "B3": "wrong_type", "B4": "missing_column",
+               "B5": "undecodable", "B6": "too_long"}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tiny_models):
+    """The tiny Llama saved as a model directory, so workers load it by path."""
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    loaded = tiny_models["llama"]
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _unique_model_path(tiny_dir, tmp_path):
+    """A fresh path to the same model, so this test's model loads are counted from zero."""
+    link = tmp_path / f"model-{os.getpid()}-{threading.get_ident()}"
+    os.symlink(tiny_dir, link)
+    return str(link)
+
+
+def _task(**changes):
+    return tiny_task(LABELS, **{"overflow": "reject", "max_text_tokens": 64, **changes})
+
+
+def _reference(model_dir, task, texts):
+    clf = PrefixClassifier(task=task, loaded=load_model(model_dir), verify=False)
+    return {t: p for t, p in zip(texts, clf.classify_full(texts))}
+
+
+def _matches_reference(reference, atol=1e-4):
+    def check(rows):
+        assert len(rows) == len(reference), (len(rows), len(reference))
+        for row in rows:
+            ref = reference[row["text"]]
+            assert row["label"] == ref.label, row
+            assert abs(row["score"] - ref.score) <= atol
+            for name in LABELS:
+                assert abs(row[prob_column(name)] - ref.scores[name]) <= atol
+            assert row["channel"] == "email" and row["ticket_id"].startswith("T")
+            assert row["prompt_fingerprint"] and row["model"]
+    return check
+
+
+def _failed_reasons(rows):
+    return sorted((r["id"], r["reason"], r["stage"]) for r in rows)
+
+
+def _read_jsonl(pattern):
+    rows = []
+    for path in glob.glob(pattern):
+        with open(path, encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def _run(tiny_dir, task, rows, options=None, **kwargs):
+    """Run ClassifyText; outputs go through files, so worker processes can write them."""
+    out = tempfile.mkdtemp(prefix="beam-prefix-test-")
+    p = beam.Pipeline(options=PipelineOptions(options or []))
+    result = (p | beam.Create(rows, reshuffle=False)
+              | ClassifyText(task=task, model=tiny_dir, id_column="ticket_id", max_batch_size=8, **kwargs))
+    for name in ("labeled", "failed"):
+        (result[name] | f"Json{name}" >> beam.Map(lambda r: json.dumps(r, default=repr, sort_keys=True))
+         | f"Write{name}" >> beam.io.WriteToText(os.path.join(out, name), file_name_suffix=".jsonl"))
+    run = p.run()
+    run.wait_until_finish()
+    return _read_jsonl(os.path.join(out, "labeled*")), _read_jsonl(os.path.join(out, "failed*")), run
+
+
+def test_classify_text_equals_full_reencoding_and_conserves_rows(tiny_dir):
+    task = _task()
+    reference = _reference(tiny_dir, task, TEXTS)
+    with TestPipeline() as p:
+        result = (p | beam.Create(GOOD + BAD)
+                  | ClassifyText(task=task, model=tiny_dir, id_column="ticket_id", max_batch_size=5))
+        assert_that(result.labeled, _matches_reference(reference), label="LabeledEqualsFull")
+        assert_that(result.failed | beam.Map(lambda r: (r["id"], r["reason"], r["stage"])),
+                    equal_to([(k, v, "validate") for k, v in BAD_REASONS.items()]), label="FailedReasons")
+        total = ((result.labeled, result.failed) | beam.Flatten() | beam.combiners.Count.Globally())
+        assert_that(total, equal_to([len(GOOD) + len(BAD)]), label="RowsConserved")
+
+
+def test_failed_rows_keep_the_original_row(tiny_dir):
+    _, failed, _ = _run(tiny_dir, _task(), BAD)
+    by_id = {r["id"]: r for r in failed}
+    assert by_id["B4"]["row"] == {"ticket_id": "B4", "body": "no text column"}
+    assert "over the budget" in by_id["B6"]["error"]
+
+
+def test_beam_rows_and_metrics(tiny_dir, tmp_path):
+    model = _unique_model_path(tiny_dir, tmp_path)
+    rows = [beam.Row(ticket_id=r["ticket_id"], text=r["text"], channel=r["channel"]) for r in GOOD]
+    labeled, failed, run = _run(model, _task(), rows + [beam.Row(ticket_id="B1", text="  ", channel="x")])
+    assert len(labeled) == len(GOOD) and len(failed) == 1
+    counters = {m.key.metric.name: m.committed
+                for m in run.metrics().query(MetricsFilter().with_namespace("beam_prefix"))["counters"]}
+    assert counters["rows_classified"] == len(GOOD)
+    assert counters["rows_failed"] == 1
+    prefix_len = PrefixClassifier(task=_task(), loaded=load_model(model), verify=False).prefix_length
+    assert counters["prefix_tokens_reused"] == prefix_len * len(GOOD)
+    assert counters["suffix_tokens_computed"] > 0
+    dists = {m.key.metric.name: m.committed
+             for m in run.metrics().query(MetricsFilter().with_namespace("beam_prefix"))["distributions"]}
+    assert dists["batch_size_rows"].sum == len(GOOD)
+    assert dists["batch_latency_micros"].count >= 1
+
+
+def test_model_loads_once_per_process_and_cache_once_per_task(tiny_dir, tmp_path):
+    model = _unique_model_path(tiny_dir, tmp_path)
+    before = _ModelHolder.loads
+    rows = GOOD * 4  # several bundles and batches
+    options = ["--direct_num_workers=4", "--direct_running_mode=multi_threading"]
+    p = beam.Pipeline(options=PipelineOptions(options))
+    created = p | beam.Create(rows) | beam.Reshuffle()
+    a = created | "TaskA" >> ClassifyText(task=_task(), model=model, max_batch_size=4)
+    b = created | "TaskB" >> ClassifyText(task=_task(instructions="Sort the ticket."), model=model,
+                                          max_batch_size=4)
+    for name, res in (("A", a), ("B", b)):
+        assert_that(res.labeled | f"Count{name}" >> beam.combiners.Count.Globally(), equal_to([len(rows)]),
+                    label=f"AllRows{name}")
+    p.run().wait_until_finish()
+    assert _ModelHolder.loads - before == 1  # two steps, several threads: one model load
+    holder = _ModelHolder.last
+    assert holder.prefix_builds == 2  # one prefix cache per task, shared by that task's threads
+    assert holder.forks >= 2
+
+
+def _outputs_on(tiny_dir, options):
+    labeled, failed, _ = _run(tiny_dir, _task(), GOOD + BAD, options=options)
+    return (sorted((r["ticket_id"], r["label"], round(r["score"], 5)) for r in labeled),
+            _failed_reasons(failed))
+
+
+def test_same_output_on_threads_processes_and_portable_runner(tiny_dir):
+    baseline = _outputs_on(tiny_dir, [])
+    assert len(baseline[0]) == len(GOOD) and len(baseline[1]) == len(BAD)
+    variants = {
+        "threads": ["--direct_num_workers=4", "--direct_running_mode=multi_threading"],
+        "processes": ["--direct_num_workers=2", "--direct_running_mode=multi_processing"],
+        "portable": ["--runner=PortableRunner", "--job_endpoint=embed", "--environment_type=LOOPBACK"],
+    }
+    for name, options in variants.items():
+        assert _outputs_on(tiny_dir, options) == baseline, name
+
+
+def _dofn(tiny_dir, **task_changes):
+    fn = PrefixCachedClassifyDoFn(ClassifyConfig(task=_task(**task_changes), model=tiny_dir, id_column="ticket_id"))
+    fn.setup()
+    return fn
+
+
+def test_forward_failure_retries_row_by_row_and_restores_the_cache(tiny_dir, monkeypatch):
+    fn = _dofn(tiny_dir)
+    expected = {r["ticket_id"]: r for r in fn.process(GOOD)}
+    base_cls = type(fn._clf.model.base_model)
+    original = base_cls.forward
+    calls = {"n": 0}
+
+    def fail_first_batch(self, *args, **kwargs):
+        calls["n"] += 1
+        out = original(self, *args, **kwargs)  # the working cache has grown when it fails
+        if calls["n"] == 1:
+            raise RuntimeError("injected forward failure")
+        return out
+
+    monkeypatch.setattr(base_cls, "forward", fail_first_batch)
+    out = list(fn.process(GOOD[:5]))
+    assert calls["n"] == 1 + 5  # the failed batch, then each row alone
+    assert fn._clf.cache_length() == fn._clf.prefix_length
+    assert not [o for o in out if isinstance(o, beam.pvalue.TaggedOutput)]
+    for row in out:
+        assert row["label"] == expected[row["ticket_id"]]["label"]
+        assert abs(row["score"] - expected[row["ticket_id"]]["score"]) <= 1e-4
+    later = list(fn.process(GOOD[5:]))
+    for row in later:
+        assert abs(row["score"] - expected[row["ticket_id"]]["score"]) <= 1e-4
+
+
+def test_a_row_that_keeps_failing_goes_to_failed_not_lost(tiny_dir, monkeypatch):
+    fn = _dofn(tiny_dir)
+    base_cls = type(fn._clf.model.base_model)
+    original = base_cls.forward
+    poison = fn._clf.encode(GOOD[2]["text"]).suffix_ids
+
+    def fail_on_poison(self, *args, input_ids=None, **kwargs):
+        if any(tuple(r[:len(poison)].tolist()) == poison for r in input_ids):
+            original(self, *args, input_ids=input_ids, **kwargs)
+            raise RuntimeError("this row always fails")
+        return original(self, *args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(base_cls, "forward", fail_on_poison)
+    out = list(fn.process(GOOD[:6]))
+    failed = [o.value for o in out if isinstance(o, beam.pvalue.TaggedOutput)]
+    labeled = [o for o in out if not isinstance(o, beam.pvalue.TaggedOutput)]
+    assert [f["id"] for f in failed] == ["T2"] and failed[0]["stage"] == "model"
+    assert "always fails" in failed[0]["error"]
+    assert len(labeled) == 5
+    assert fn._clf.cache_length() == fn._clf.prefix_length
+
+
+def test_dofn_instances_in_threads_match_single_thread(tiny_dir):
+    single = {r["ticket_id"]: r["score"] for r in _dofn(tiny_dir).process(GOOD)}
+    fns = [_dofn(tiny_dir) for _ in range(4)]
+    assert len({id(fn._clf._working) for fn in fns}) == 4
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            results[i] = [r for _ in range(3) for r in fns[i].process(GOOD[i:] + GOOD[:i])]
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+    for rows in results:
+        for row in rows:
+            assert abs(row["score"] - single[row["ticket_id"]]) <= 1e-5
+
+
+def test_run_inference_handler_is_thread_safe(tiny_dir):
+    handler = PrefixCachedModelHandler(task=_task(), model=tiny_dir, batch_size=4, verify=False)
+    model = handler.load_model()
+    single = {r.example: r.inference.scores for r in handler.run_inference(TEXTS, model)}
+    results, errors = [None] * 6, []
+
+    def work(i):
+        try:
+            texts = TEXTS[i:] + TEXTS[:i]
+            results[i] = [r for _ in range(3) for r in handler.run_inference(texts, model)]
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+    for per_thread in results:
+        for r in per_thread:
+            for name, p in single[r.example].items():
+                assert abs(r.inference.scores[name] - p) <= 1e-5
+    assert model.cache_length() == model.prefix_length
+
+
+def test_run_inference_in_a_pipeline(tiny_dir):
+    task = _task()
+    reference = _reference(tiny_dir, task, TEXTS)
+    with TestPipeline() as p:
+        labels = (p | beam.Create(TEXTS)
+                  | RunInference(PrefixCachedModelHandler(task=task, model=tiny_dir, batch_size=4))
+                  | beam.Map(lambda r: (r.example, r.inference.label)))
+        assert_that(labels, equal_to([(t, reference[t].label) for t in TEXTS]))
