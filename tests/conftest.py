@@ -106,6 +106,27 @@ def tiny_models(chat_tokenizer, plain_tokenizer):
     return out
 
 
+def run_in_threads(fn, n):
+    """Run fn(0..n-1) in n threads; return the results, re-raising any worker error."""
+    import threading
+
+    results, errors = [None] * n, []
+
+    def work(i):
+        try:
+            results[i] = fn(i)
+        except Exception as e:  # surfaced below, never swallowed
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
 def assert_same_predictions(cached, full, atol=1e-4, log_atol=2e-3):
     """Same label, probabilities within `atol`, log-probabilities within `log_atol`."""
     assert len(cached) == len(full)

@@ -24,7 +24,7 @@ from beam_prefix.handler import PrefixCachedModelHandler
 from beam_prefix.model import load_model
 from beam_prefix.transforms import ClassifyText
 
-from conftest import TEXTS, tiny_task
+from conftest import TEXTS, run_in_threads, tiny_task
 
 LABELS = ("billing", "technical", "account")
 GOOD = [{"ticket_id": f"T{i}", "text": t, "channel": "email"} for i, t in enumerate(TEXTS)]
@@ -241,18 +241,7 @@ def test_dofn_instances_in_threads_match_single_thread(tiny_dir):
     single = {r["ticket_id"]: r["score"] for r in _dofn(tiny_dir).process(GOOD)}
     fns = [_dofn(tiny_dir) for _ in range(4)]
     assert len({id(fn._clf._working) for fn in fns}) == 4
-    results, errors = [None] * 4, []
-
-    def work(i):
-        try:
-            results[i] = [r for _ in range(3) for r in fns[i].process(GOOD[i:] + GOOD[:i])]
-        except Exception as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert not errors
+    results = run_in_threads(lambda i: [r for _ in range(3) for r in fns[i].process(GOOD[i:] + GOOD[:i])], 4)
     for rows in results:
         for row in rows:
             assert abs(row["score"] - single[row["ticket_id"]]) <= 1e-5
@@ -262,19 +251,8 @@ def test_run_inference_handler_is_thread_safe(tiny_dir):
     handler = PrefixCachedModelHandler(task=_task(), model=tiny_dir, batch_size=4, verify=False)
     model = handler.load_model()
     single = {r.example: r.inference.scores for r in handler.run_inference(TEXTS, model)}
-    results, errors = [None] * 6, []
-
-    def work(i):
-        try:
-            texts = TEXTS[i:] + TEXTS[:i]
-            results[i] = [r for _ in range(3) for r in handler.run_inference(texts, model)]
-        except Exception as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert not errors
+    results = run_in_threads(
+        lambda i: [r for _ in range(3) for r in handler.run_inference(TEXTS[i:] + TEXTS[:i], model)], 6)
     for per_thread in results:
         for r in per_thread:
             for name, p in single[r.example].items():

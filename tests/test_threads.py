@@ -1,30 +1,10 @@
 """Threads: the model and prefix cache are shared, working caches are not."""
 
-import threading
-
 import pytest
 
 from beam_prefix import PrefixClassifier
 
-from conftest import BANKING_LABELS, TEXTS, assert_same_predictions, tiny_task
-
-
-def _run_in_threads(fn, n):
-    results, errors = [None] * n, []
-
-    def work(i):
-        try:
-            results[i] = fn(i)
-        except Exception as e:  # surfaced below, never swallowed
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    return results
+from conftest import BANKING_LABELS, TEXTS, assert_same_predictions, run_in_threads, tiny_task
 
 
 @pytest.mark.parametrize("share_instance", [False, True])
@@ -45,7 +25,7 @@ def test_concurrent_classify_matches_single_thread(tiny_models, share_instance):
             out.append(dict(zip(texts, workers[i].classify(texts))))
         return out
 
-    for per_thread in _run_in_threads(job, 4):
+    for per_thread in run_in_threads(job, 4):
         for got in per_thread:
             assert_same_predictions([got[t] for t in TEXTS], expected, atol=1e-5)
     assert all(w.cache_length() == clf.prefix_length for w in workers)
