@@ -146,3 +146,4 @@ def score_spread(predictions) -> float:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never need a hub
