@@ -11,6 +11,10 @@ import copy
 import os
 import pathlib
 
+# before transformers is imported: it reads these once
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never need a hub
+
 import pytest
 import torch
 
@@ -145,5 +149,3 @@ def score_spread(predictions) -> float:
                for n in names)
 
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never need a hub
