@@ -23,5 +23,8 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m pipelines.quickstart
 
+bench: $(STAMP)
+	$(PY) -m benchmarks.beam_overhead
+
 clean:
 	rm -rf $(VENV) output build *.egg-info
