@@ -175,7 +175,7 @@ class PrefixClassifier:
     def classify_encoded(self, encoded: Sequence[EncodedText]) -> list[Prediction]:
         """Classify already encoded texts (see `encode`), in batches sorted by length."""
         raw = self._raw_cached(encoded)
-        return [self._prediction(r, e, e.suffix_ids.__len__() + self.label_tokens)
+        return [self._prediction(r, e, len(e.suffix_ids) + self.label_tokens)
                 for r, e in zip(raw, encoded)]
 
     def classify_full(self, texts: Sequence[str]) -> list[Prediction]:

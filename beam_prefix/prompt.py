@@ -172,7 +172,10 @@ class PromptLayout:
         """The reference encoding of the whole prompt for `text` (no prefix split)."""
         return self._head_ids + self._encode_plain(self._span(text)) + self._after_ids
 
-    def _suffix_from_span(self, span_ids: tuple[int, ...]) -> tuple[int, ...] | None:
+    def _suffix_ids(self, text: str) -> tuple[int, ...] | None:
+        """The row's suffix: its span's natural ids after the prefix's lead-in tokens, or
+        None when the span's encoding does not start with them (a boundary merge)."""
+        span_ids = self._encode_plain(self._span(text))
         n = len(self._prefix_lead_ids)
         if span_ids[:n] != self._prefix_lead_ids:
             return None
@@ -181,7 +184,7 @@ class PromptLayout:
     def _is_clean(self, text: str) -> bool:
         """encode(prefix) + encode(suffix) == encode(prefix + suffix) for `text`: the
         natural encoding of the row's span starts with the prefix's tokens."""
-        return self._suffix_from_span(self._encode_plain(self._span(text))) is not None
+        return self._suffix_ids(text) is not None
 
     def _with_continuation(self, text: str, cont: str) -> tuple[int, ...]:
         """Natural ids of the prompt for `text` followed by `cont` (e.g. a label)."""
@@ -228,7 +231,7 @@ class PromptLayout:
                     f"overflow policy is 'reject'")
             text = self._truncate(text, budget)
             truncated = True
-        suffix = self._suffix_from_span(self._encode_plain(self._span(text)))
+        suffix = self._suffix_ids(text)
         if suffix is None:
             raise RowError(
                 f"the text's first characters {text[:12]!r} merge with the static prefix "
@@ -237,7 +240,7 @@ class PromptLayout:
 
     def suffix_for(self, text: str) -> tuple[int, ...]:
         """Suffix ids of `text` as given (no cleaning or budget; used for calibration probes)."""
-        suffix = self._suffix_from_span(self._encode_plain(self._span(text)))
+        suffix = self._suffix_ids(text)
         if suffix is None:
             raise BoundaryError(f"text {text!r} merges with the static prefix")
         return suffix
