@@ -30,9 +30,10 @@ setup(
         "gguf>=0.19,<0.20",
         "pyyaml>=6,<7",
         "numpy>=2,<3",
+        "matplotlib>=3.9,<4",  # the confusion-matrix PNG of --eval_label_column
     ],
     extras_require={
         "test": ["pytest>=9,<10"],
-        "dev": ["pytest>=9,<10", "matplotlib>=3.9,<4"],
+        "dev": ["pytest>=9,<10"],
     },
 )

@@ -110,6 +110,16 @@ def tiny_models(chat_tokenizer, plain_tokenizer):
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tiny_models):
+    """The tiny Llama saved as a model directory, so workers load it by path."""
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    loaded = tiny_models["llama"]
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def run_in_threads(fn, n):
     """Run fn(0..n-1) in n threads; return the results, re-raising any worker error."""
     import threading

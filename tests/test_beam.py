@@ -40,16 +40,6 @@ BAD_REASONS = {"B1": "null_text", "B2": "empty_text", "B3": "wrong_type", "B4": 
                "B5": "undecodable", "B6": "too_long"}
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, tiny_models):
-    """The tiny Llama saved as a model directory, so workers load it by path."""
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    loaded = tiny_models["llama"]
-    loaded.model.save_pretrained(path)
-    loaded.tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def _unique_model_path(tiny_dir, tmp_path):
     """A fresh path to the same model, so this test's model loads are counted from zero."""
     link = tmp_path / f"model-{os.getpid()}-{threading.get_ident()}"

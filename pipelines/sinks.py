@@ -1,0 +1,220 @@
+"""Output schemas and writers: Parquet, JSONL or BigQuery, for labelled and failed rows.
+
+Labelled rows: the kept input columns (their input types where the input has a schema,
+else strings), then ``label``, ``score``, one ``prob_<label>`` per label, ``truncated``,
+``prompt_fingerprint`` and ``model``. Failed rows: ``id``, ``reason``, ``error``,
+``stage`` and ``row`` (the whole input row as JSON text). One Arrow schema describes each
+output; the BigQuery schema is derived from it, so every sink writes the same columns.
+
+File sinks are Beam's (temporary files, renamed into place when the write finalizes):
+a run that fails leaves no partial final files.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import json
+import logging
+
+import apache_beam as beam
+import pyarrow as pa
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from beam_prefix.dofn import FAILED_TAG, prob_column
+from beam_prefix.task import TaskSpec
+from pipelines.options import ClassifyOptions
+from pipelines.sources import failed_record
+from pipelines.summary import GOLD_KEY
+
+__all__ = ["kept_columns", "labeled_schema", "FAILED_SCHEMA", "ToOutputRow", "failed_output_row",
+           "bigquery_schema", "write", "Destination", "destinations", "to_json"]
+
+_LOGGER = logging.getLogger(__name__)
+
+FAILED_SCHEMA = pa.schema([
+    pa.field("id", pa.string()), pa.field("reason", pa.string()), pa.field("error", pa.string()),
+    pa.field("stage", pa.string()), pa.field("row", pa.string()),
+])
+
+
+def _json_default(value):
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    return str(value)  # Decimal, beam.Row, numpy scalars...
+
+
+def to_json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, default=_json_default)
+
+
+def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.Field]:
+    """The input columns copied to the labelled output, with their types.
+
+    Args:
+        options: the pipeline options (``--columns_to_keep``, ``--id_column``, ``--text_column``).
+        schema: the input's schema where known at launch, else None (columns become strings).
+    """
+    o = options.view_as(ClassifyOptions)
+    if o.columns_to_keep and o.columns_to_keep.strip() == "*":
+        if schema is None:
+            raise ValueError("--columns_to_keep='*' needs an input whose schema is known at launch "
+                             "(Parquet or a BigQuery table); list the columns instead")
+        names = list(schema.names)
+    elif o.columns_to_keep:
+        names = [c.strip() for c in o.columns_to_keep.split(",") if c.strip()]
+    else:
+        names = [c for c in (o.id_column, o.text_column) if c]
+    if schema is not None:
+        missing = [n for n in names if n not in schema.names]
+        if missing:
+            raise ValueError(f"--columns_to_keep/--id_column/--text_column name columns the input lacks: "
+                             f"{missing} (input columns: {schema.names})")
+    reserved = {"label", "score", "truncated", "prompt_fingerprint", "model"}
+    clash = [n for n in names if n in reserved or n.startswith("prob_")]
+    if clash:
+        raise ValueError(f"kept columns {clash} clash with output columns; leave them out of --columns_to_keep")
+    seen = []
+    for n in names:
+        if n not in seen:
+            seen.append(n)
+    return [schema.field(n) if schema is not None else pa.field(n, pa.string()) for n in seen]
+
+
+def labeled_schema(task: TaskSpec, kept: list[pa.Field]) -> pa.Schema:
+    """Arrow schema of the labelled output."""
+    return pa.schema(list(kept) + [pa.field("label", pa.string()), pa.field("score", pa.float64())]
+                     + [pa.field(prob_column(n), pa.float64()) for n in task.label_names]
+                     + [pa.field("truncated", pa.bool_()), pa.field("prompt_fingerprint", pa.string()),
+                        pa.field("model", pa.string())])
+
+
+class ToOutputRow(beam.DoFn):
+    """A labelled row -> exactly the output schema's columns, values of the column's type.
+
+    A kept value that does not fit its column (two input files with different types)
+    sends the row to the failed output (reason ``output_type``) instead of failing the write.
+    """
+
+    def __init__(self, schema: pa.Schema, kept: list[pa.Field], typed: bool, id_column: str | None,
+                 on_labeled=None):
+        self._on_labeled = on_labeled  # called with each (full) row that goes out labelled
+        self._kept = [(f.name, f.type) for f in kept]
+        self._added = schema.names[len(kept):]  # the classification columns
+        self._typed = typed
+        self._id_column = id_column
+
+    def process(self, row: dict):
+        out = {}
+        for name, type_ in self._kept:
+            value = row.get(name)
+            if value is not None and not self._typed:
+                value = value if isinstance(value, str) else to_json(value)
+            elif value is not None:
+                try:
+                    pa.array([value], type=type_)
+                except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+                    input_row = {k: v for k, v in row.items() if k not in self._added and k != GOLD_KEY}
+                    yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
+                        input_row, id_value=row.get(self._id_column) if self._id_column else None,
+                        reason="output_type", error=f"column {name!r}: {value!r} is not {type_} ({e})",
+                        stage="write"))
+                    return
+            out[name] = value
+        for name in self._added:
+            out[name] = row[name]
+        if self._on_labeled is not None:
+            self._on_labeled(row)
+        yield out
+
+
+def failed_output_row(record: dict) -> dict:
+    """A failed record (`ClassifyText`'s or a read step's) -> the failed output's columns."""
+    id_value, row = record.get("id"), record.get("row")
+    if isinstance(row, dict) and GOLD_KEY in row:
+        row = {k: v for k, v in row.items() if k != GOLD_KEY}
+    return {"id": None if id_value is None else (id_value if isinstance(id_value, str) else to_json(id_value)),
+            "reason": record["reason"], "error": record["error"], "stage": record["stage"],
+            "row": to_json(row)}
+
+
+_ARROW_TO_BQ = [
+    (pa.types.is_string, "STRING"), (pa.types.is_large_string, "STRING"), (pa.types.is_binary, "BYTES"),
+    (pa.types.is_integer, "INTEGER"), (pa.types.is_floating, "FLOAT"), (pa.types.is_boolean, "BOOLEAN"),
+    (lambda t: pa.types.is_timestamp(t) and t.tz is not None, "TIMESTAMP"),
+    (pa.types.is_timestamp, "DATETIME"), (pa.types.is_date, "DATE"), (pa.types.is_time, "TIME"),
+    (pa.types.is_decimal, "NUMERIC"),
+]
+
+
+def bigquery_schema(schema: pa.Schema) -> dict:
+    """The BigQuery table schema for an Arrow schema (unknown types become STRING)."""
+    def bq_type(t):
+        return next((name for test, name in _ARROW_TO_BQ if test(t)), "STRING")
+
+    return {"fields": [{"name": f.name, "type": bq_type(f.type), "mode": "NULLABLE"} for f in schema]}
+
+
+def _bigquery_value(value):
+    """A value as BigQuery's JSON row format wants it."""
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    return value
+
+
+class Destination:
+    """Where one output goes: a file prefix (Parquet/JSONL) or a BigQuery table."""
+
+    def __init__(self, *, path: str | None = None, fmt: str = "parquet", table: str | None = None):
+        self.path, self.fmt, self.table = path, fmt, table
+
+    def describe(self) -> str:
+        if self.table:
+            return f"BigQuery table {self.table}"
+        return f"{self.path}-*.{self.fmt}"
+
+
+def destinations(options: PipelineOptions) -> tuple[Destination, Destination]:
+    """(labelled, failed) destinations from the flags."""
+    o = options.view_as(ClassifyOptions)
+    if o.output_table:
+        failed_table = o.failed_output_table or f"{o.output_table}_failed"
+        if o.failed_output:
+            return Destination(table=o.output_table), Destination(path=o.failed_output, fmt=o.output_format)
+        return Destination(table=o.output_table), Destination(table=failed_table)
+    failed = o.failed_output or _beside(o.output, "failed")
+    return Destination(path=o.output, fmt=o.output_format), Destination(path=failed, fmt=o.output_format)
+
+
+def _beside(path: str, name: str) -> str:
+    head, sep, _ = path.rpartition("/")
+    return f"{head}{sep}{name}" if sep else name
+
+
+def write(rows, destination: Destination, schema: pa.Schema, options: PipelineOptions, *, label: str):
+    """Add the write of `rows` (dicts matching `schema`) to `destination`."""
+    o = options.view_as(ClassifyOptions)
+    if destination.table:
+        kwargs = dict(schema=bigquery_schema(schema),
+                      create_disposition=beam.io.BigQueryDisposition.CREATE_IF_NEEDED,
+                      write_disposition=beam.io.BigQueryDisposition.WRITE_APPEND)
+        if o.bigquery_write_method != "DEFAULT":
+            kwargs["method"] = o.bigquery_write_method
+        if o.bigquery_endpoint:  # an emulator: no GCS, temp files stay local
+            from apache_beam.options.pipeline_options import GoogleCloudOptions
+            kwargs.update(validate=False,
+                          custom_gcs_temp_location=options.view_as(GoogleCloudOptions).temp_location)
+        return (rows | f"{label}ToBigQueryRow" >> beam.Map(lambda r: {k: _bigquery_value(v) for k, v in r.items()})
+                | f"Write{label}ToBigQuery" >> beam.io.WriteToBigQuery(destination.table, **kwargs))
+    if destination.fmt == "jsonl":
+        return (rows | f"{label}ToJson" >> beam.Map(to_json)
+                | f"Write{label}Jsonl" >> beam.io.WriteToText(destination.path, file_name_suffix=".jsonl"))
+    return rows | f"Write{label}Parquet" >> beam.io.WriteToParquet(
+        destination.path, schema, file_name_suffix=".parquet")

@@ -1,0 +1,150 @@
+"""Reading input rows: Parquet, JSONL, CSV files, BigQuery, or the shipped sample.
+
+`read_rows(p, options)` returns the rows (dicts) and the rows that could not even be
+parsed (a bad JSON line), already shaped as failed records, so that every input row is
+accounted for. `input_schema(options)` reads the input's column types at launch where
+the source has a schema (Parquet, a BigQuery table), so outputs keep those types.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+
+import apache_beam as beam
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io import fileio
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
+
+from beam_prefix.dofn import FAILED_TAG
+from pipelines.options import SAMPLE_TICKETS, ClassifyOptions
+
+__all__ = ["read_rows", "input_schema", "input_format", "describe_input", "failed_record"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def failed_record(row, *, id_value=None, reason: str, error: str, stage: str) -> dict:
+    """A row of the failed output, as `ClassifyText` shapes it."""
+    return {"row": row, "id": id_value, "reason": reason, "error": error, "stage": stage}
+
+
+def input_format(options: PipelineOptions) -> str:
+    o = options.view_as(ClassifyOptions)
+    if o.input_format:
+        return o.input_format
+    pattern = (o.input or "").lower()
+    for ext, fmt in ((".jsonl", "jsonl"), (".json", "jsonl"), (".ndjson", "jsonl"), (".csv", "csv")):
+        if pattern.endswith(ext):
+            return fmt
+    return "parquet"
+
+
+def describe_input(options: PipelineOptions) -> str:
+    o = options.view_as(ClassifyOptions)
+    if o.input_table:
+        return f"BigQuery table {o.input_table} ({o.bigquery_read_method})"
+    if o.input_query:
+        return f"BigQuery query ({o.bigquery_read_method})"
+    if o.input:
+        return f"{o.input} ({input_format(options)})"
+    return f"the shipped sample tickets ({SAMPLE_TICKETS})"
+
+
+class _ParseJsonLines(beam.DoFn):
+    """One JSON object per line; a line that is not one becomes a failed row."""
+
+    def process(self, line: str):
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
+                {"line": line}, reason="unparseable", error=f"not JSON: {e}", stage="read"))
+            return
+        if not isinstance(row, dict):
+            yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
+                {"line": line}, reason="unparseable", error="a JSON line must be an object", stage="read"))
+            return
+        yield row
+
+
+def _csv_rows(readable_file):
+    # The whole file at once: quoted fields may hold newlines.
+    with readable_file.open() as f:
+        yield from csv.DictReader(io.TextIOWrapper(f, encoding="utf-8", newline=""))
+
+
+def read_rows(p, options: PipelineOptions):
+    """Add the read steps to `p`.
+
+    Returns:
+        (rows, unparseable): PCollections of dict rows and of failed records.
+    """
+    o = options.view_as(ClassifyOptions)
+    none = p | "NoUnparseableRows" >> beam.Create([])
+    if o.input_table or o.input_query:
+        gcs_location = None
+        if o.bigquery_read_method == "EXPORT":
+            gcs_location = options.view_as(GoogleCloudOptions).temp_location
+        rows = p | "ReadBigQuery" >> beam.io.ReadFromBigQuery(
+            table=o.input_table, query=o.input_query, use_standard_sql=True,
+            method=o.bigquery_read_method, gcs_location=gcs_location,
+            project=options.view_as(GoogleCloudOptions).project)
+        return rows, none
+    if not o.input:
+        # Read here, not on workers: the package's files sit at a path workers may not share.
+        return p | "SampleTickets" >> beam.Create(pq.read_table(SAMPLE_TICKETS).to_pylist()), none
+    fmt = input_format(options)
+    if fmt == "parquet":
+        return p | "ReadParquet" >> beam.io.ReadFromParquet(o.input), none
+    if fmt == "csv":
+        rows = (p | "MatchCsv" >> fileio.MatchFiles(o.input) | "OpenCsv" >> fileio.ReadMatches()
+                | "ParseCsv" >> beam.FlatMap(_csv_rows))
+        return rows, none
+    parsed = (p | "ReadJsonl" >> beam.io.ReadFromText(o.input)
+              | "ParseJsonl" >> beam.ParDo(_ParseJsonLines()).with_outputs(FAILED_TAG, main="rows"))
+    return parsed.rows, parsed[FAILED_TAG]
+
+
+# BigQuery standard types -> Arrow types, for a table's schema.
+_BQ_TO_ARROW = {
+    "STRING": pa.string(), "BYTES": pa.binary(), "INTEGER": pa.int64(), "INT64": pa.int64(),
+    "FLOAT": pa.float64(), "FLOAT64": pa.float64(), "BOOLEAN": pa.bool_(), "BOOL": pa.bool_(),
+    "TIMESTAMP": pa.timestamp("us", tz="UTC"), "DATE": pa.date32(), "TIME": pa.time64("us"),
+    "DATETIME": pa.timestamp("us"), "NUMERIC": pa.decimal128(38, 9), "JSON": pa.string(),
+}
+
+
+def input_schema(options: PipelineOptions) -> pa.Schema | None:
+    """The input's column types, where the source has a schema readable at launch."""
+    o = options.view_as(ClassifyOptions)
+    if o.input_table:
+        return _bigquery_table_schema(o.input_table, options.view_as(GoogleCloudOptions).project)
+    if o.input_query or input_format(options) != "parquet":
+        return None
+    if not o.input:
+        return pq.read_schema(SAMPLE_TICKETS)
+    matches = FileSystems.match([o.input])[0].metadata_list
+    if not matches:
+        raise ValueError(f"--input={o.input!r} matches no file")
+    with FileSystems.open(sorted(m.path for m in matches)[0]) as f:
+        return pq.read_schema(f)  # reads the footer only
+
+
+def _bigquery_table_schema(table: str, project: str | None) -> pa.Schema | None:
+    from apache_beam.io.gcp import bigquery_tools
+
+    ref = bigquery_tools.parse_table_reference(table, project=project)
+    wrapper = bigquery_tools.BigQueryWrapper()
+    fields = wrapper.get_table(ref.projectId, ref.datasetId, ref.tableId).schema.fields
+    columns = []
+    for field in fields:
+        if field.mode == "REPEATED" or field.type in ("RECORD", "STRUCT"):
+            columns.append(pa.field(field.name, pa.string()))  # kept as JSON text
+        else:
+            columns.append(pa.field(field.name, _BQ_TO_ARROW.get(field.type, pa.string())))
+    return pa.schema(columns)

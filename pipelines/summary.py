@@ -1,0 +1,194 @@
+"""The run summary: counts from Beam metrics, printed and written as JSON.
+
+Counting steps (`CountRows`, `CountLabels`, `Evaluate`) add counters to the graph; once
+the run finishes, `summarize` reads them back from the runner's metrics (so it works on
+DirectRunner, the portable runner and Dataflow alike) and checks that every row read
+ended in exactly one output. With gold labels, it adds accuracy and a confusion-matrix
+PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Sequence
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+from apache_beam.metrics.metric import MetricsFilter
+
+from beam_prefix.metrics import NAMESPACE as LIBRARY_NAMESPACE
+
+__all__ = ["NAMESPACE", "GOLD_KEY", "stash_gold", "count_rows", "LabelCounter", "CountFailures", "summarize", "format_summary",
+           "write_confusion_png", "write_json"]
+
+_LOGGER = logging.getLogger(__name__)
+
+NAMESPACE = "beam_prefix_pipeline"
+# The gold label travels under this key: the input column may be called `label`, which the
+# classification overwrites.
+GOLD_KEY = "__gold_label__"
+
+
+def stash_gold(rows, column: str):
+    """Copy each row's gold label to `GOLD_KEY` before classification."""
+    return rows | "StashGoldLabel" >> beam.Map(
+        lambda r: {**r, GOLD_KEY: r.get(column)} if isinstance(r, dict) else r)
+
+
+def count_rows(pcoll, name: str, *, label: str):
+    """Pass `pcoll` through, counting its elements in counter `name`."""
+    counter = Metrics.counter(NAMESPACE, name)
+
+    def inc(x):
+        counter.inc()
+        return x
+
+    return pcoll | label >> beam.Map(inc)
+
+
+class LabelCounter:
+    """Counts labelled rows per label and, with a gold column, right answers and the
+    confusion pairs (one counter per (gold, predicted) pair seen). Called from the step
+    that emits the final labelled rows, so a row is counted once it is sure to be written."""
+
+    def __init__(self, eval_label_column: str | None):
+        self._gold = eval_label_column
+
+    def __call__(self, row: dict) -> None:
+        Metrics.counter(NAMESPACE, "labeled").inc()
+        Metrics.counter(NAMESPACE, f"label:{row['label']}").inc()
+        if self._gold:
+            gold = row.get(GOLD_KEY)
+            gold = "" if gold is None else str(gold)
+            Metrics.counter(NAMESPACE, "evaluated").inc()
+            Metrics.counter(NAMESPACE, f"pair:{json.dumps([gold, row['label']])}").inc()
+            if gold == row["label"]:
+                Metrics.counter(NAMESPACE, "correct").inc()
+
+
+class CountFailures(beam.DoFn):
+    """Counts failed rows per reason."""
+
+    def process(self, record: dict):
+        Metrics.counter(NAMESPACE, "failed").inc()
+        Metrics.counter(NAMESPACE, f"reason:{record['reason']}").inc()
+        yield record
+
+
+def _counters(result, namespace: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]:
+        try:
+            value = c.committed
+        except Exception:  # some runners only report attempted values
+            value = None
+        if value is None:
+            value = c.attempted
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(value or 0)
+    return out
+
+
+def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str, str],
+              model: str, task: str, eval_label_column: str | None) -> dict:
+    """The summary dict of a finished run (counts, label counts, rates, outputs)."""
+    mine = _counters(result, NAMESPACE)
+    lib = _counters(result, LIBRARY_NAMESPACE)
+    read, labeled, failed = mine.get("rows_read", 0), mine.get("labeled", 0), mine.get("failed", 0)
+    summary = {
+        "task": task, "model": model,
+        "rows_read": read, "labeled": labeled, "failed": failed,
+        "accounted_for": read == labeled + failed,
+        "label_counts": {n: mine.get(f"label:{n}", 0) for n in labels},
+        "failed_reasons": {k.split(":", 1)[1]: v for k, v in sorted(mine.items()) if k.startswith("reason:")},
+        "wall_s": round(wall_s, 3),
+        "rows_per_s": round((labeled + failed) / wall_s, 2) if wall_s > 0 else None,
+        "prefix_tokens_reused": lib.get("prefix_tokens_reused", 0),
+        "suffix_tokens_computed": lib.get("suffix_tokens_computed", 0),
+        "rows_truncated": lib.get("rows_truncated", 0),
+        "outputs": dict(outputs),
+    }
+    if eval_label_column:
+        evaluated = mine.get("evaluated", 0)
+        pairs = {tuple(json.loads(k.split(":", 1)[1])): v for k, v in mine.items() if k.startswith("pair:")}
+        summary["evaluation"] = {
+            "gold_column": eval_label_column, "rows": evaluated,
+            "accuracy": round(mine.get("correct", 0) / evaluated, 4) if evaluated else None,
+            "confusion": [[g, p, n] for (g, p), n in sorted(pairs.items())],
+        }
+    if not summary["accounted_for"]:
+        _LOGGER.error("rows read (%d) != labelled (%d) + failed (%d)", read, labeled, failed)
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    """The summary as the lines printed at the end of a run."""
+    width = max([len(n) for n in s["label_counts"]] + [5])
+    lines = [
+        f"rows read {s['rows_read']}: labelled {s['labeled']} + failed {s['failed']}"
+        + ("" if s["accounted_for"] else "  (MISMATCH: some rows are unaccounted for)"),
+        f"{s['rows_per_s']} rows/s over {s['wall_s']:.1f} s (including model load and start-up self-check)",
+        f"prefix tokens reused {s['prefix_tokens_reused']:,}; suffix tokens computed "
+        f"{s['suffix_tokens_computed']:,}",
+        "labels:",
+    ]
+    lines += [f"  {n:<{width}} {c}" for n, c in sorted(s["label_counts"].items(), key=lambda kv: -kv[1]) if c]
+    if s["failed_reasons"]:
+        lines.append("failed: " + ", ".join(f"{k} {v}" for k, v in s["failed_reasons"].items()))
+    if s["rows_truncated"]:
+        lines.append(f"truncated to the token budget: {s['rows_truncated']} rows")
+    ev = s.get("evaluation")
+    if ev:
+        acc = "n/a" if ev["accuracy"] is None else f"{ev['accuracy']:.1%}"
+        lines.append(f"accuracy against '{ev['gold_column']}': {acc} on {ev['rows']} labelled rows")
+    lines.append("outputs:")
+    lines += [f"  {k}: {v}" for k, v in s["outputs"].items()]
+    return "\n".join(lines)
+
+
+def write_confusion_png(summary: dict, labels: Sequence[str], path: str) -> None:
+    """Draw the confusion matrix (rows: gold, columns: predicted) to `path` (any Beam filesystem)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    confusion = summary["evaluation"]["confusion"]
+    gold_only = sorted({g for g, _, _ in confusion} - set(labels))
+    names = list(labels) + gold_only
+    index = {n: i for i, n in enumerate(names)}
+    matrix = np.zeros((len(names), len(names)), dtype=np.int64)
+    for gold, pred, n in confusion:
+        matrix[index[gold], index[pred]] += n
+    size = max(5.0, 0.16 * len(names) + 3)
+    fig, ax = plt.subplots(figsize=(size, size), dpi=100)
+    ax.imshow(matrix, cmap="Blues", interpolation="nearest")
+    fontsize = max(4, min(10, int(400 / max(len(names), 1))))
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=fontsize)
+    ax.set_yticks(range(len(names)), names, fontsize=fontsize)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("gold")
+    acc = summary["evaluation"]["accuracy"]
+    ax.set_title(f"{summary['task']}: accuracy {acc:.1%} on {summary['evaluation']['rows']} rows"
+                 if acc is not None else summary["task"])
+    if len(names) <= 20:
+        for i in range(len(names)):
+            for j in range(len(names)):
+                if matrix[i, j]:
+                    ax.text(j, i, str(matrix[i, j]), ha="center", va="center", fontsize=fontsize,
+                            color="white" if matrix[i, j] > matrix.max() / 2 else "black")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    with FileSystems.create(path) as f:
+        f.write(buffer.getvalue())
+
+
+def write_json(summary: dict, path: str) -> None:
+    with FileSystems.create(path) as f:
+        f.write((json.dumps(summary, indent=2, default=str) + "\n").encode("utf-8"))

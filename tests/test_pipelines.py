@@ -1,0 +1,162 @@
+"""`pipelines.classify` end to end on DirectRunner: Parquet, JSONL and CSV in, Parquet and
+JSONL out, row conservation, output schema, the embedded no-argument run, and outputs
+that are complete or absent when a run fails."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from beam_prefix import PrefixClassifier, TaskSpec
+from beam_prefix.dofn import prob_column
+from beam_prefix.model import load_model
+from pipelines import classify
+from pipelines.options import task_path
+from pipelines.sinks import ToOutputRow
+
+from conftest import TEXTS
+
+SUPPORT = TaskSpec.from_yaml(task_path("support_tickets"))
+LONG_TEXT = ("The export page hangs. " * 900)[:20_000]
+
+
+def _reference(model_dir, texts):
+    clf = PrefixClassifier(task=SUPPORT, loaded=load_model(model_dir), verify=False)
+    return {t: p for t, p in zip(texts, clf.classify_full(texts))}
+
+
+def _read_parquet(pattern) -> pa.Table:
+    paths = sorted(glob.glob(pattern))
+    assert paths, f"no files match {pattern}"
+    return pa.concat_tables([pq.read_table(p) for p in paths])
+
+
+def _write_inputs(directory):
+    """Two Parquet files: good rows and bad ones (null, empty, 20,000 characters), and one
+    whose text column holds integers (a wrong type)."""
+    good = [{"ticket_id": f"T{i}", "text": t, "priority": i % 3} for i, t in enumerate(TEXTS)]
+    bad = [{"ticket_id": "B-null", "text": None, "priority": 1},
+           {"ticket_id": "B-empty", "text": "   ", "priority": 1},
+           {"ticket_id": "B-long", "text": LONG_TEXT, "priority": 2}]
+    pq.write_table(pa.Table.from_pylist(good + bad), os.path.join(directory, "tickets-a.parquet"))
+    pq.write_table(pa.Table.from_pylist([{"ticket_id": "B-int", "text": 12345, "priority": 0}]),
+                   os.path.join(directory, "tickets-b.parquet"))
+    return good, bad
+
+
+def test_parquet_in_parquet_out_equals_full_reencoding(tiny_dir, tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    good, bad = _write_inputs(inputs)
+    out = tmp_path / "out"
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input={inputs}/*.parquet", f"--model={tiny_dir}",
+        "--id_column=ticket_id", "--columns_to_keep=ticket_id,text,priority",
+        f"--output={out}/labeled", "--max_batch_size=8", "--verify=false"])
+
+    n_in = len(good) + len(bad) + 1
+    labeled, failed = _read_parquet(f"{out}/labeled-*.parquet"), _read_parquet(f"{out}/failed-*.parquet")
+    assert labeled.num_rows + failed.num_rows == n_in
+    assert (summary["rows_read"], summary["labeled"], summary["failed"]) == (n_in, labeled.num_rows,
+                                                                            failed.num_rows)
+    assert summary["accounted_for"] and sum(summary["label_counts"].values()) == labeled.num_rows
+
+    # The documented schema: kept columns with their input types, then the classification.
+    assert labeled.schema.names == (["ticket_id", "text", "priority", "label", "score"]
+                                    + [prob_column(n) for n in SUPPORT.label_names]
+                                    + ["truncated", "prompt_fingerprint", "model"])
+    assert labeled.schema.field("priority").type == pa.int64()
+    assert labeled.schema.field("score").type == pa.float64()
+    assert labeled.schema.field("truncated").type == pa.bool_()
+    assert failed.schema.names == ["id", "reason", "error", "stage", "row"]
+
+    reasons = {r["id"]: r for r in failed.to_pylist()}
+    assert {k: r["reason"] for k, r in reasons.items()} == {
+        "B-null": "null_text", "B-empty": "empty_text", "B-int": "wrong_type"}
+    assert json.loads(reasons["B-int"]["row"]) == {"ticket_id": "B-int", "text": 12345, "priority": 0}
+    assert all(r["stage"] == "validate" and r["error"] for r in reasons.values())
+
+    rows = {r["ticket_id"]: r for r in labeled.to_pylist()}
+    assert rows["B-long"]["truncated"] is True and summary["rows_truncated"] == 1
+    reference = _reference(tiny_dir, [r["text"] for r in good] + [LONG_TEXT])
+    for text, ref in reference.items():
+        row = next(r for r in rows.values() if r["text"] == text)
+        assert row["label"] == ref.label, (text, row["label"], ref.label)
+        for name in SUPPORT.label_names:
+            assert abs(row[prob_column(name)] - ref.scores[name]) <= 1e-4
+    with open(f"{out}/labeled-summary.json", encoding="utf-8") as f:
+        assert json.load(f)["labeled"] == labeled.num_rows
+
+
+def test_jsonl_in_with_an_unparseable_line_and_jsonl_out(tiny_dir, tmp_path):
+    lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(TEXTS[:5])]
+    lines.insert(2, "{not json")
+    lines.append("[1, 2]")
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input={tmp_path}/rows.jsonl", f"--model={tiny_dir}", "--id_column=id",
+        f"--output={tmp_path}/out/labeled", "--output_format=jsonl", "--verify=false"])
+    labeled = [json.loads(l) for p in glob.glob(f"{tmp_path}/out/labeled-*.jsonl") for l in open(p)]
+    failed = [json.loads(l) for p in glob.glob(f"{tmp_path}/out/failed-*.jsonl") for l in open(p)]
+    assert sorted(r["id"] for r in labeled) == ["0", "1", "2", "3", "4"]  # no schema: kept as text
+    assert sorted(r["reason"] for r in failed) == ["unparseable", "unparseable"]
+    assert {r["stage"] for r in failed} == {"read"}
+    assert summary["rows_read"] == 7 and summary["accounted_for"]
+
+
+def test_csv_in_with_gold_labels_reports_accuracy_and_a_confusion_png(tiny_dir, tmp_path):
+    csv_path = os.path.join(os.path.dirname(__file__), "..", "pipelines", "data", "sample_tickets.csv")
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input={csv_path}", f"--model={tiny_dir}", "--id_column=ticket_id",
+        "--eval_label_column=label", f"--output={tmp_path}/labeled", "--verify=false"])
+    labeled = _read_parquet(f"{tmp_path}/labeled-*.parquet").to_pylist()
+    gold = {r["ticket_id"]: r["label"] for r in pq.read_table(
+        os.path.join(os.path.dirname(csv_path), "sample_tickets.parquet")).to_pylist()}
+    correct = sum(gold[r["ticket_id"]] == r["label"] for r in labeled)
+    assert summary["evaluation"]["rows"] == 60
+    assert summary["evaluation"]["accuracy"] == round(correct / 60, 4)
+    confusion = summary["evaluation"]["confusion"]
+    assert sum(n for _, _, n in confusion) == 60
+    with open(summary["outputs"]["confusion_matrix"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failure_mid_run_leaves_no_final_output(tiny_dir, tmp_path, monkeypatch):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    _write_inputs(inputs)
+    original, seen = ToOutputRow.process, []
+
+    def fail_on_fifth_row(self, row):
+        seen.append(row)
+        if len(seen) == 5:
+            raise RuntimeError("injected failure")
+        yield from original(self, row)
+
+    monkeypatch.setattr(ToOutputRow, "process", fail_on_fifth_row)
+    with pytest.raises(Exception, match="injected failure"):
+        classify.run(["--runner=DirectRunner", f"--input={inputs}/*.parquet", f"--model={tiny_dir}",
+                      f"--output={tmp_path}/out/labeled", "--verify=false", "--max_batch_size=2"])
+    assert len(seen) == 5
+    assert glob.glob(f"{tmp_path}/out/labeled*") == [] and glob.glob(f"{tmp_path}/out/failed*") == []
+
+
+def test_embedded_defaults_with_no_arguments(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    summary = classify.run(["--runner=DirectRunner"])
+    labeled = _read_parquet("output/labeled-*.parquet")
+    assert summary["rows_read"] == 60 and summary["labeled"] == labeled.num_rows == 60
+    assert summary["model"] == "embedded" and summary["task"] == "support_tickets"
+    # every row reused the same prefix, several times longer than its own suffix
+    assert summary["prefix_tokens_reused"] % 60 == 0
+    assert summary["prefix_tokens_reused"] > 5 * summary["suffix_tokens_computed"] > 0
+    with open("output/labeled-summary.json", encoding="utf-8") as f:
+        written = json.load(f)
+    assert written["label_counts"] == summary["label_counts"]
+    printed = capsys.readouterr().out
+    assert "rows read 60: labelled 60 + failed 0" in printed and "output/labeled-*.parquet" in printed
