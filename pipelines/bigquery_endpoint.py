@@ -12,8 +12,9 @@ use Beam's connectors untouched.
 One more fix rides along: BigQuery's ``datasets.list`` honours a label filter, some
 emulators ignore it, and Beam's DIRECT_READ clean-up deletes every dataset the filtered
 list returns. The redirected client applies the label filter itself, so only Beam's
-labelled temporary datasets can be deleted. And an EXPORT read to a local location gets
-its directory created first (emulators do not create it).
+labelled temporary datasets can be deleted. Two emulator gaps are bridged the same way:
+an EXPORT read to a local location gets its directory created first, and a query job's
+destination table (ignored by the emulator) is written as ``CREATE OR REPLACE TABLE ... AS``.
 """
 
 from __future__ import annotations
@@ -128,16 +129,23 @@ def _apitools_client(endpoint: Endpoint):
 
     original_insert = client.jobs.Insert
 
-    def insert_making_local_export_dirs(request, *args, **kwargs):
-        extract = request.job and request.job.configuration and request.job.configuration.extract
+    def insert_job(request, *args, **kwargs):
+        config = request.job.configuration if request.job else None
+        extract = config.extract if config else None
         for uri in (extract.destinationUris if extract else []):
             if "://" not in uri:  # a local export location: the emulator does not create it
                 os.makedirs(os.path.dirname(uri), exist_ok=True)
+        query = config.query if config else None
+        if query is not None and query.destinationTable is not None and not config.dryRun:
+            # the emulator ignores destinationTable: say it in SQL
+            t = query.destinationTable
+            query.query = f"CREATE OR REPLACE TABLE `{t.projectId}.{t.datasetId}.{t.tableId}` AS {query.query}"
+            query.destinationTable = None
         return original_insert(request, *args, **kwargs)
 
     # apitools finds a method's config as an attribute of the method itself
     for service, name, wrapper in ((client.datasets, "List", list_with_label_filter),
-                                   (client.jobs, "Insert", insert_making_local_export_dirs)):
+                                   (client.jobs, "Insert", insert_job)):
         wrapper.method_config = getattr(service, name).method_config
         setattr(service, name, wrapper)
     return client

@@ -20,7 +20,7 @@ import sys
 import time
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, SetupOptions
+from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
 from beam_prefix.dofn import FAILED_TAG
 from pipelines import bigquery_endpoint
@@ -56,10 +56,6 @@ def _prepare(options: PipelineOptions) -> None:
         bigquery_endpoint.install(bigquery_endpoint.Endpoint(
             rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
             project=options.view_as(GoogleCloudOptions).project))
-        setup = options.view_as(SetupOptions)
-        plugins = list(setup.beam_plugins or [])
-        if bigquery_endpoint.__name__ not in plugins:  # worker processes redirect their clients too
-            setup.beam_plugins = plugins + [bigquery_endpoint.__name__]
 
 
 def build(p: beam.Pipeline, options: PipelineOptions) -> Plan:
@@ -104,6 +100,11 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         argv: command-line flags (Beam's and `ClassifyOptions`).
         test_pipeline: a pipeline to build into (tests); its runner and options are used.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if PipelineOptions(argv).view_as(ClassifyOptions).bigquery_endpoint:
+        # worker processes import the seam as a plugin and redirect their clients too
+        # (a flag, not an attribute set later: workers receive the parsed flags)
+        argv.append(f"--beam_plugins={bigquery_endpoint.__name__}")
     options = PipelineOptions(argv)
     p = test_pipeline or beam.Pipeline(options=options)
     plan = build(p, options)

@@ -29,7 +29,7 @@ from pipelines.sources import failed_record
 from pipelines.summary import GOLD_KEY
 
 __all__ = ["kept_columns", "labeled_schema", "FAILED_SCHEMA", "ToOutputRow", "failed_output_row",
-           "bigquery_schema", "write", "Destination", "destinations", "to_json"]
+           "bigquery_schema", "bigquery_write_args", "write", "Destination", "destinations", "to_json"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -198,21 +198,28 @@ def _beside(path: str, name: str) -> str:
     return f"{head}{sep}{name}" if sep else name
 
 
+def bigquery_write_args(options: PipelineOptions) -> dict:
+    """Keyword arguments of `WriteToBigQuery` (besides the table and schema) from the flags."""
+    from apache_beam.options.pipeline_options import GoogleCloudOptions
+
+    o = options.view_as(ClassifyOptions)
+    kwargs = dict(create_disposition=beam.io.BigQueryDisposition.CREATE_IF_NEEDED,
+                  write_disposition=beam.io.BigQueryDisposition.WRITE_APPEND)
+    if o.bigquery_write_method != "DEFAULT":
+        kwargs["method"] = o.bigquery_write_method
+    if o.bigquery_endpoint:  # an emulator: no GCS, temporary files stay local
+        kwargs.update(validate=False, custom_gcs_temp_location=options.view_as(GoogleCloudOptions).temp_location)
+    return kwargs
+
+
 def write(rows, destination: Destination, schema: pa.Schema, options: PipelineOptions, *, label: str):
     """Add the write of `rows` (dicts matching `schema`) to `destination`."""
     o = options.view_as(ClassifyOptions)
     if destination.table:
-        kwargs = dict(schema=bigquery_schema(schema),
-                      create_disposition=beam.io.BigQueryDisposition.CREATE_IF_NEEDED,
-                      write_disposition=beam.io.BigQueryDisposition.WRITE_APPEND)
-        if o.bigquery_write_method != "DEFAULT":
-            kwargs["method"] = o.bigquery_write_method
-        if o.bigquery_endpoint:  # an emulator: no GCS, temp files stay local
-            from apache_beam.options.pipeline_options import GoogleCloudOptions
-            kwargs.update(validate=False,
-                          custom_gcs_temp_location=options.view_as(GoogleCloudOptions).temp_location)
+        kwargs = bigquery_write_args(options)
         return (rows | f"{label}ToBigQueryRow" >> beam.Map(lambda r: {k: _bigquery_value(v) for k, v in r.items()})
-                | f"Write{label}ToBigQuery" >> beam.io.WriteToBigQuery(destination.table, **kwargs))
+                | f"Write{label}ToBigQuery" >> beam.io.WriteToBigQuery(
+                    destination.table, schema=bigquery_schema(schema), **kwargs))
     if destination.fmt == "jsonl":
         return (rows | f"{label}ToJson" >> beam.Map(to_json)
                 | f"Write{label}Jsonl" >> beam.io.WriteToText(destination.path, file_name_suffix=".jsonl"))
