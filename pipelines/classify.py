@@ -14,6 +14,7 @@ the end (and written beside the output as JSON) counts them.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import sys
@@ -128,7 +129,21 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     return summary
 
 
+def _print_help() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelines.classify", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Beam's own flags (--runner, --project, --region, --temp_location, --setup_file, "
+               "--direct_running_mode, --job_endpoint, --environment_type, ...) are accepted too.")
+    ClassifyOptions._add_argparse_args(parser)
+    parser.print_help()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # Beam's option parser would show none of ours
+        _print_help()
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for name in ("beam_prefix", "pipelines"):  # progress lines, not Beam's own chatter
         logging.getLogger(name).setLevel(logging.INFO)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -160,3 +161,25 @@ def test_embedded_defaults_with_no_arguments(tmp_path, monkeypatch, capsys):
     assert written["label_counts"] == summary["label_counts"]
     printed = capsys.readouterr().out
     assert "rows read 60: labelled 60 + failed 0" in printed and "output/labeled-*.parquet" in printed
+
+
+@pytest.mark.parametrize("runner_flags", [
+    ["--runner=PortableRunner", "--job_endpoint=embed", "--environment_type=LOOPBACK"],
+    # Flink's path with workers in their own processes (the embedded job service has no PROCESS env)
+    ["--runner=PortableRunner", "--job_endpoint=embed",
+     "--environment_type=beam:env:harness_subprocess_python:v1",
+     f"--environment_config={sys.executable} -m apache_beam.runners.worker.sdk_worker_main"],
+], ids=["loopback", "subprocess_workers"])
+def test_portable_runner_matches_full_reencoding(tiny_dir, tmp_path, runner_flags):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    good, bad = _write_inputs(inputs)
+    summary = classify.run([*runner_flags, f"--input={inputs}/*.parquet", f"--model={tiny_dir}",
+                            "--id_column=ticket_id", f"--output={tmp_path}/out/labeled", "--verify=false"])
+    labeled = _read_parquet(f"{tmp_path}/out/labeled-*.parquet").to_pylist()
+    failed = _read_parquet(f"{tmp_path}/out/failed-*.parquet").to_pylist()
+    assert len(labeled) + len(failed) == len(good) + len(bad) + 1 == summary["rows_read"]
+    assert summary["accounted_for"]
+    reference = _reference(tiny_dir, [r["text"] for r in good])
+    by_text = {r["text"]: r for r in labeled}
+    assert {t: by_text[t]["label"] for t in reference} == {t: p.label for t, p in reference.items()}

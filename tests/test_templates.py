@@ -1,0 +1,84 @@
+"""Packaging for Dataflow and Flink: the Flex Template's parameters are exactly the
+pipeline's options, one Beam version everywhere, and an installed package (not this
+checkout) runs `python -m pipelines.classify --help` from any directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+from pipelines.options import ClassifyOptions
+
+from conftest import ROOT
+
+TEMPLATES = ROOT / "templates"
+
+
+def _parser_actions():
+    parser = argparse.ArgumentParser()
+    ClassifyOptions._add_argparse_args(parser)
+    return {a.dest: a for a in parser._actions if a.dest != "help"}
+
+
+def _metadata():
+    with open(TEMPLATES / "metadata.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_metadata_parameters_are_the_pipeline_options_and_back():
+    params = {p["name"]: p for p in _metadata()["parameters"]}
+    actions = _parser_actions()
+    assert set(params) == set(actions), (set(params) ^ set(actions))
+    for name, p in params.items():
+        assert p["label"] and p["helpText"], name
+        assert p["isOptional"] is True, name  # every option has a default or is one of a choice
+        assert p["helpText"] == actions[name].help, f"{name}: help text differs from the option's"
+
+
+def test_metadata_regexes_accept_every_choice_and_reject_junk():
+    actions = _parser_actions()
+    for p in _metadata()["parameters"]:
+        patterns = [re.compile(r) for r in p["regexes"]]
+        choices = actions[p["name"]].choices
+        for choice in choices or ():
+            assert any(r.fullmatch(str(choice)) for r in patterns), (p["name"], choice)
+        if choices or actions[p["name"]].type is int:
+            assert not any(r.fullmatch("not valid!") for r in patterns), p["name"]
+    by_name = {p["name"]: [re.compile(r) for r in p["regexes"]] for p in _metadata()["parameters"]}
+    assert any(r.fullmatch("my-project:tickets.open_2026") for r in by_name["input_table"])
+    assert any(r.fullmatch("gs://bucket/models/qwen") for r in by_name["model"])
+    assert not any(r.fullmatch("output/labeled") for r in by_name["output"])  # workers need gs://
+
+
+def test_one_beam_version_in_setup_dockerfile_and_readme():
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    version = re.search(r'BEAM_VERSION = "([\d.]+)"', setup).group(1)
+    docker = (TEMPLATES / "Dockerfile").read_text(encoding="utf-8")
+    assert set(re.findall(r"ARG BEAM_VERSION=([\d.]+)", docker)) == {version}
+    assert f"apache-beam[gcp]=={version}" in (ROOT / "README.md").read_text(encoding="utf-8")
+    for source in re.findall(r"^COPY (?!--from)(\S+)", docker, flags=re.M):
+        assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+    entry = re.search(r'FLEX_TEMPLATE_PYTHON_PY_FILE="\$\{WORKDIR\}/(\S+)"', docker).group(1)
+    assert (ROOT / entry).exists()
+
+
+def test_installed_package_runs_from_any_directory(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(ROOT)], check=True, cwd=tmp_path)
+    assert (target / "pipelines" / "tasks" / "banking77.yaml").exists()
+    assert (target / "pipelines" / "data" / "sample_tickets.parquet").exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-m", "pipelines.classify", "--help"], cwd=elsewhere, env=env,
+                         check=True, capture_output=True, text=True).stdout
+    assert "--input_table" in out and "--eval_label_column" in out
+    where = subprocess.run([sys.executable, "-c", "import pipelines, beam_prefix; print(pipelines.__file__, "
+                            "beam_prefix.__file__)"], cwd=elsewhere, env=env, check=True,
+                           capture_output=True, text=True).stdout
+    assert str(ROOT) not in where and str(target) in where
