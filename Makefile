@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(PY) -m pipelines.classify --runner=DirectRunner
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.beam_overhead
+	$(PY) -m benchmarks.speedup
 
 clean:
 	rm -rf $(VENV) $(BQ_VENV) output build *.egg-info

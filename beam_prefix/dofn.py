@@ -25,7 +25,7 @@ from apache_beam.utils import shared
 from beam_prefix.classifier import PrefixClassifier
 from beam_prefix.errors import RowError
 from beam_prefix.metrics import ClassifyMetrics, ProgressLog
-from beam_prefix.model import EMBEDDED, load_model
+from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.task import TaskSpec
 
 __all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "FAILED_TAG", "LABELED_TAG", "prob_column"]
@@ -91,12 +91,14 @@ class _ModelHolder:
     loads = 0  # model loads in this process (tests count them)
     last: "_ModelHolder | None" = None
 
-    def __init__(self, config: ClassifyConfig):
-        type(self).loads += 1
+    def __init__(self, config: ClassifyConfig, loaded: LoadedModel | None = None):
         type(self).last = self
         self.prefix_builds = 0
         self.forks = 0
-        self.loaded = load_model(config.model, dtype=config.dtype, threads=config.threads)
+        if loaded is None:  # benchmarks hand in the model they already hold
+            type(self).loads += 1
+            loaded = load_model(config.model, dtype=config.dtype, threads=config.threads)
+        self.loaded = loaded
         self._lock = threading.Lock()
         self._classifiers: dict[str, PrefixClassifier] = {}
         self._progress: dict[str, ProgressLog] = {}

@@ -259,11 +259,3 @@ def test_run_inference_in_a_pipeline(tiny_dir):
                   | beam.Map(lambda r: (r.example, r.inference.label)))
         assert_that(labels, equal_to([(t, reference[t].label) for t in TEXTS]))
 
-
-def test_beam_overhead_benchmark_runs_and_writes_results(tiny_dir, tmp_path):
-    from benchmarks import beam_overhead
-
-    out = tmp_path / "overhead.json"
-    result = beam_overhead.run(["--rows", "24", "--model", tiny_dir, "--out", str(out)])
-    written = json.loads(out.read_text())
-    assert written["rows"] == 24 and written["ratio"] == result["ratio"] > 0

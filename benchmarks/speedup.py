@@ -1,0 +1,333 @@
+"""Side-by-side speed of beam-prefix against the loops users write otherwise, and the FLOP floor.
+
+    python -m benchmarks.speedup                       # everything, embedded model (long)
+    python -m benchmarks.speedup --workloads support --banking77_rows 0 --skip rss,scaling
+
+One process, one model load; the same rows for every contender, each timed after a
+warm-up; results are ratios from this one run (absolute times are noisy on shared
+machines). Contenders (see `benchmarks.contenders`): A full re-encode, B the cached
+one-row recipe, C `PrefixClassifier.classify` at several batch sizes, D `ClassifyText` on
+DirectRunner. Every contender's labels are compared with A's. Also: the FLOP floor,
+prefix-length scaling (PNG), peak RSS of a worker with 1 and 4 threads, and optional
+faster modes (int8 dynamic quantization, bf16), each with its agreement with A.
+
+Writes `speedup.json`, `speedup.md` and `prefix_scaling.png` under `--out_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from beam_prefix import PrefixClassifier, TaskSpec
+from beam_prefix.dofn import _MODEL_HANDLE, ClassifyConfig, _ModelHolder
+from beam_prefix.model import LoadedModel, load_model
+from beam_prefix.task import Example
+from beam_prefix.transforms import ClassifyText
+from benchmarks import contenders
+from benchmarks.floor import floor_ms_per_row, matmul_gflops, non_embedding_params
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DATA = os.path.join(_ROOT, "pipelines", "data")
+_TASKS = os.path.join(_ROOT, "pipelines", "tasks")
+_LOGGER = logging.getLogger(__name__)
+
+
+def _csv(path: str, text: str, label: str) -> list[tuple[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return [(r[text], r[label]) for r in csv.DictReader(f)]
+
+
+def _workloads(args) -> dict[str, tuple[TaskSpec, list[str]]]:
+    out = {}
+    if "support" in args.workloads and args.support_rows:
+        tickets = [t for t, _ in _csv(os.path.join(_DATA, "sample_tickets.csv"), "text", "label")]
+        out["support"] = (TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets.yaml")),
+                          [tickets[i % len(tickets)] for i in range(args.support_rows)])
+    if "banking77" in args.workloads and args.banking77_rows:
+        texts = [t for t, _ in _csv(args.banking77_csv, "text", "category")]
+        if len(texts) < args.banking77_rows:
+            raise SystemExit(f"{args.banking77_csv} has {len(texts)} rows, fewer than --banking77_rows")
+        out["banking77"] = (TaskSpec.from_yaml(os.path.join(_TASKS, "banking77.yaml")),
+                            texts[:args.banking77_rows])
+    return out
+
+
+def _agreement(labels: list[str], reference: list[str]) -> float:
+    n = min(len(labels), len(reference))
+    return sum(a == b for a, b in zip(labels[:n], reference[:n])) / n if n else float("nan")
+
+
+def _bench_workload(name, task, texts, loaded, args) -> dict:
+    clf = PrefixClassifier(task=task, loaded=loaded, verify=False)
+    a_rows = texts[:args.a_rows] if args.a_rows else texts
+    warm = texts[:2]
+    result = {"rows": len(texts), "a_rows": len(a_rows), "prefix_tokens": clf.prefix_length,
+              "scoring": clf.mode, "label_tokens": clf.label_tokens, "contenders": []}
+
+    contenders.full_reencode(clf, warm)
+    a_labels, a_ms = contenders.timed(lambda: contenders.full_reencode(clf, a_rows), len(a_rows))
+    result["contenders"].append({"name": "A full re-encode", "batch": 1, "ms_per_row": a_ms, "agreement": 1.0})
+    _LOGGER.info("%s A: %.1f ms/row", name, a_ms)
+
+    contenders.cached_recipe(clf, warm)
+    b_labels, b_ms = contenders.timed(lambda: contenders.cached_recipe(clf, a_rows), len(a_rows))
+    result["contenders"].append({"name": "B cached, one row (recipe)", "batch": 1, "ms_per_row": b_ms,
+                                 "agreement": _agreement(b_labels, a_labels)})
+    _LOGGER.info("%s B: %.1f ms/row", name, b_ms)
+
+    best = None
+    for batch in args.batch_sizes:
+        contenders.batched(clf, texts[:batch], batch)
+        c_labels, c_ms = contenders.timed(lambda: contenders.batched(clf, texts, batch), len(texts))
+        entry = {"name": "C PrefixClassifier.classify", "batch": batch, "ms_per_row": c_ms,
+                 "agreement": _agreement(c_labels, a_labels)}
+        result["contenders"].append(entry)
+        _LOGGER.info("%s C batch %d: %.1f ms/row", name, batch, c_ms)
+        if best is None or c_ms < best["ms_per_row"]:
+            best = entry
+    result["best_c"] = best
+
+    if "d" not in args.skip:
+        transform = ClassifyText(task=task, model=args.model, batch_size=best["batch"],
+                                 max_batch_size=max(64, best["batch"]), verify=False,
+                                 dtype=args.dtype)
+        # loaded before timing (normally the benchmark's own model, seeded into the handle)
+        holder = _MODEL_HANDLE.acquire(lambda: _ModelHolder(transform.config), tag=transform.config.model_tag)
+        run_d = contenders.classify_text(transform, [{"text": t} for t in texts])
+        contenders.classify_text(transform, [{"text": t} for t in warm])()
+        d_labels, d_ms = contenders.timed(run_d, len(texts))
+        result["contenders"].append({"name": "D ClassifyText, DirectRunner", "batch": best["batch"],
+                                     "ms_per_row": d_ms, "agreement": _agreement(d_labels, a_labels)})
+        result["d_over_c_throughput"] = best["ms_per_row"] / d_ms
+        _LOGGER.info("%s D: %.1f ms/row", name, d_ms)
+        del holder
+
+    for entry in result["contenders"]:
+        entry["speedup_vs_a"] = a_ms / entry["ms_per_row"]
+    suffix_tokens = sum(len(clf.encode(t).suffix_ids) for t in texts) / len(texts)
+    tokens = suffix_tokens + clf.label_tokens
+    params = non_embedding_params(loaded.model)
+    gflops = matmul_gflops(loaded.model, max(1, int(round(best["batch"] * tokens))))
+    floor = floor_ms_per_row(params, tokens, gflops)
+    result["floor"] = {"non_embedding_params": params, "dynamic_tokens_per_row": tokens,
+                       "matmul_gflops": gflops, "floor_ms_per_row": floor,
+                       "c_percent_of_floor": 100.0 * floor / best["ms_per_row"]}
+    result["b_over_a"] = a_ms / b_ms
+    result["c_over_b"] = b_ms / best["ms_per_row"]
+    return result
+
+
+def _scaled_task(task: TaskSpec, pool: list[tuple[str, str]], target: int, tokenizer) -> TaskSpec:
+    """The task with as many few-shot examples (cycled from `pool`) as reach ~`target`
+    prefix tokens; no examples for the smallest target."""
+    from beam_prefix.prompt import PromptLayout
+
+    examples: list[Example] = []
+    current = task.replace(examples=())
+    while PromptLayout.build(current, tokenizer).prefix_length < target:
+        step = max(1, len(examples))  # double the examples each time, then trim
+        examples += [Example(text=t, label=l) for t, l in
+                     (pool[(len(examples) + i) % len(pool)] for i in range(step))]
+        current = task.replace(examples=tuple(examples))
+    while len(examples) > 1:
+        smaller = task.replace(examples=tuple(examples[:-1]))
+        if PromptLayout.build(smaller, tokenizer).prefix_length < target:
+            break
+        examples, current = examples[:-1], smaller
+    return current
+
+
+def _scaling(loaded, args) -> list[dict]:
+    task = TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets.yaml"))
+    pool = _csv(os.path.join(_DATA, "sample_tickets.csv"), "text", "label")
+    texts = [t for t, _ in pool]
+    out = []
+    for target in args.scaling_tokens:
+        clf = PrefixClassifier(task=_scaled_task(task, pool, target, loaded.tokenizer), loaded=loaded,
+                               verify=False)
+        a_texts = texts[:args.scaling_a_rows]
+        contenders.full_reencode(clf, a_texts[:1])
+        _, a_ms = contenders.timed(lambda: contenders.full_reencode(clf, a_texts), len(a_texts))
+        contenders.batched(clf, texts[:8], 16)
+        _, c_ms = contenders.timed(lambda: contenders.batched(clf, texts, 16), len(texts))
+        out.append({"target": target, "prefix_tokens": clf.prefix_length, "a_ms_per_row": a_ms,
+                    "c_ms_per_row": c_ms})
+        _LOGGER.info("scaling: prefix %d tokens: A %.1f ms/row, C %.1f ms/row", clf.prefix_length, a_ms, c_ms)
+    return out
+
+
+def _plot_scaling(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [p["prefix_tokens"] for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(x, [p["a_ms_per_row"] for p in points], "o-", label="A full re-encode")
+    ax.plot(x, [p["c_ms_per_row"] for p in points], "s-", label="C classify (prefix cached, batch 16)")
+    ax.set_xlabel("static prefix tokens")
+    ax.set_ylabel("ms per row")
+    ax.set_yscale("log")
+    ax.set_title("Per-row time as the static prefix grows")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _rss(args) -> dict:
+    out = {}
+    for threads in (1, 4):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.rss_worker", "--threads", str(threads),
+                               "--rows", str(args.rss_rows), "--model", args.model],
+                              cwd=_ROOT, capture_output=True, text=True, check=True)
+        out[threads] = json.loads(proc.stdout.strip().splitlines()[-1])["max_rss_mb"]
+    return {"rss_mb_1_thread": out[1], "rss_mb_4_threads": out[4], "ratio": out[4] / out[1]}
+
+
+def _native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _modes(loaded, workloads, reference: dict, c_ms: dict, args) -> list[dict]:
+    out = []
+    for mode in args.modes:
+        if mode == "int8":
+            model = copy.deepcopy(loaded.model)
+            head = model.get_output_embeddings()  # label rows are read from its weight: keep it float
+            linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+            model = torch.ao.quantization.quantize_dynamic(model, linears, dtype=torch.qint8)
+        elif mode == "bfloat16":
+            model = copy.deepcopy(loaded.model).to(torch.bfloat16)
+        else:
+            raise SystemExit(f"unknown mode {mode!r} (int8, bfloat16)")
+        variant = LoadedModel(model, loaded.tokenizer, f"{loaded.model_id}|{mode}")
+        for name, (task, texts) in workloads.items():
+            clf = PrefixClassifier(task=task, loaded=variant, verify=False)
+            batch = c_ms[name]["batch"]
+            contenders.batched(clf, texts[:8], batch)
+            labels, ms = contenders.timed(lambda: contenders.batched(clf, texts, batch), len(texts))
+            entry = {"mode": mode, "workload": name, "batch": batch, "ms_per_row": ms,
+                     "fp32_ms_per_row": c_ms[name]["ms_per_row"], "agreement_with_a": _agreement(labels, reference[name]),
+                     "native_bf16": _native_bf16() if mode == "bfloat16" else None}
+            entry["faster_than_fp32"] = ms < c_ms[name]["ms_per_row"]
+            out.append(entry)
+            _LOGGER.info("mode %s on %s: %.1f ms/row (fp32 %.1f), agreement %.3f", mode, name, ms,
+                         c_ms[name]["ms_per_row"], entry["agreement_with_a"])
+    return out
+
+
+def _markdown(report: dict) -> str:
+    lines = [f"Machine: {report['machine']}; torch {report['torch']}, {report['torch_threads']} threads; "
+             f"model {report['model']} ({report['dtype']}); one run, {report['date']}.", ""]
+    for name, w in report["workloads"].items():
+        lines += [f"**{name}**: {w['rows']} rows (A and B on {w['a_rows']}), prefix {w['prefix_tokens']} tokens, "
+                  f"{w['scoring']} scoring" + (f", label trie {w['label_tokens']} tokens" if w["label_tokens"] else ""),
+                  "", "| contender | batch | ms/row | speedup vs A | labels = A |", "| --- | --- | --- | --- | --- |"]
+        for c in w["contenders"]:
+            lines.append(f"| {c['name']} | {c['batch']} | {c['ms_per_row']:.1f} | {c['speedup_vs_a']:.1f}x | "
+                         f"{c['agreement']:.1%} |")
+        f = w["floor"]
+        lines += ["", f"FLOP floor: 2 x {f['non_embedding_params'] / 1e6:.1f}M params x "
+                      f"{f['dynamic_tokens_per_row']:.1f} tokens/row at {f['matmul_gflops']:.1f} GFLOP/s (measured) = "
+                      f"{f['floor_ms_per_row']:.1f} ms/row; C (batch {w['best_c']['batch']}) runs at "
+                      f"{f['c_percent_of_floor']:.0f}% of the floor. C/B {w['c_over_b']:.1f}x"
+                  + (f"; D/C throughput {w['d_over_c_throughput']:.2f}." if "d_over_c_throughput" in w else "."), ""]
+    if report.get("scaling"):
+        lines += ["**Prefix-length scaling** (support task, examples added):", "",
+                  "| prefix tokens | A ms/row | C ms/row | A/C |", "| --- | --- | --- | --- |"]
+        lines += [f"| {p['prefix_tokens']} | {p['a_ms_per_row']:.1f} | {p['c_ms_per_row']:.1f} | "
+                  f"{p['a_ms_per_row'] / p['c_ms_per_row']:.1f}x |" for p in report["scaling"]]
+        lines.append("")
+    if report.get("rss"):
+        r = report["rss"]
+        lines += [f"**Memory**: peak RSS of a ClassifyText worker: {r['rss_mb_1_thread']:.0f} MB with 1 thread, "
+                  f"{r['rss_mb_4_threads']:.0f} MB with 4 threads ({r['ratio']:.2f}x).", ""]
+    if report.get("modes"):
+        lines += ["**Optional modes** (C at the best fp32 batch):", "",
+                  "| mode | workload | ms/row | fp32 ms/row | labels = A | kept |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {m['mode']} | {m['workload']} | {m['ms_per_row']:.1f} | {m['fp32_ms_per_row']:.1f} | "
+                  f"{m['agreement_with_a']:.1%} | {'yes' if m['faster_than_fp32'] else 'no (slower here)'} |"
+                  for m in report["modes"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--workloads", default="support,banking77", type=lambda s: s.split(","))
+    parser.add_argument("--support_rows", type=int, default=600)
+    parser.add_argument("--banking77_rows", type=int, default=300)
+    parser.add_argument("--banking77_csv", default=os.path.join(_DATA, "banking77", "test_sample.csv"))
+    parser.add_argument("--a_rows", type=int, default=None, help="time A and B on the first N rows only")
+    parser.add_argument("--batch_sizes", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--scaling_tokens", default="150,1000,4000", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--scaling_a_rows", type=int, default=8)
+    parser.add_argument("--rss_rows", type=int, default=200)
+    parser.add_argument("--modes", default="int8,bfloat16", type=lambda s: [m for m in s.split(",") if m])
+    parser.add_argument("--skip", default="", type=lambda s: set(x for x in s.split(",") if x),
+                        help="any of: d, scaling, rss, modes")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
+    args = parser.parse_args(argv)
+
+    loaded = load_model(args.model, dtype=args.dtype, threads=args.threads)
+    workloads = _workloads(args)
+    report = {"model": loaded.model_id, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"),
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+                         + (", native bf16" if _native_bf16() else ", no native bf16"),
+              "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "workloads": {}}
+    # D gets this model through the process-wide handle: seed the handle, no second load
+    held = [_MODEL_HANDLE.acquire(lambda: _ModelHolder(config, loaded=loaded), tag=config.model_tag)
+            for config in [ClassifyConfig(task=t, model=args.model, dtype=args.dtype)
+                           for t, _ in list(workloads.values())[:1]]]
+    for name, (task, texts) in workloads.items():
+        report["workloads"][name] = _bench_workload(name, task, texts, loaded, args)
+    if "scaling" not in args.skip and args.scaling_tokens:
+        report["scaling"] = _scaling(loaded, args)
+    if "rss" not in args.skip:
+        report["rss"] = _rss(args)
+    if "modes" not in args.skip and args.modes and workloads:
+        reference = {n: contenders.full_reencode(PrefixClassifier(task=t, loaded=loaded, verify=False),
+                                                 x[:report["workloads"][n]["a_rows"]])
+                     for n, (t, x) in workloads.items()}
+        best = {n: w["best_c"] for n, w in report["workloads"].items()}
+        report["modes"] = _modes(loaded, workloads, reference, best, args)
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "speedup.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    if report.get("scaling"):
+        _plot_scaling(report["scaling"], os.path.join(args.out_dir, "prefix_scaling.png"))
+    markdown = _markdown(report)
+    with open(os.path.join(args.out_dir, "speedup.md"), "w", encoding="utf-8") as f:
+        f.write(markdown + "\n")
+    print(markdown)
+    del held
+    return report
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("beam_prefix").setLevel(logging.WARNING)
+    run()

@@ -1,0 +1,27 @@
+"""The benchmark runs end to end on a tiny model and writes its files (no timing asserted:
+speed is shown by `make bench`, in ratios from one run)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import speedup
+
+
+def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
+    report = speedup.run([
+        f"--model={tiny_dir}", "--support_rows=6", "--banking77_rows=2", "--batch_sizes=1,4",
+        "--scaling_tokens=150,400", "--scaling_a_rows=2", "--rss_rows=8", "--modes=int8",
+        f"--out_dir={tmp_path}"])
+    for name in ("speedup.json", "speedup.md", "prefix_scaling.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert json.loads((tmp_path / "speedup.json").read_text())["workloads"].keys() == {"support", "banking77"}
+    for name, workload in report["workloads"].items():
+        names = [c["name"][0] for c in workload["contenders"]]
+        assert names == ["A", "B", "C", "C", "D"], names
+        # B (the recipe), C and D are exact in fp32: the same labels as full re-encoding
+        assert all(c["agreement"] == 1.0 for c in workload["contenders"]), (name, workload["contenders"])
+        assert workload["floor"]["floor_ms_per_row"] > 0
+    assert report["workloads"]["banking77"]["scoring"] == "sequence"
+    assert [p["prefix_tokens"] for p in report["scaling"]] == sorted(p["prefix_tokens"] for p in report["scaling"])
+    assert report["rss"]["rss_mb_1_thread"] > 0 and report["modes"][0]["mode"] == "int8"
