@@ -34,7 +34,7 @@ from pipelines.summary import (CountFailures, LabelCounter, count_rows, format_s
 
 __all__ = ["build", "run", "main", "Plan"]
 
-_LOGGER = logging.getLogger(__name__)
+_LOGGER = logging.getLogger("pipelines.classify")  # also when run as __main__
 
 
 @dataclasses.dataclass

@@ -16,8 +16,6 @@ import base64
 import datetime
 import decimal
 import json
-import logging
-
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -30,8 +28,6 @@ from pipelines.summary import GOLD_KEY
 
 __all__ = ["kept_columns", "labeled_schema", "FAILED_SCHEMA", "ToOutputRow", "failed_output_row",
            "bigquery_schema", "bigquery_write_args", "write", "Destination", "destinations", "to_json"]
-
-_LOGGER = logging.getLogger(__name__)
 
 FAILED_SCHEMA = pa.schema([
     pa.field("id", pa.string()), pa.field("reason", pa.string()), pa.field("error", pa.string()),
@@ -214,7 +210,6 @@ def bigquery_write_args(options: PipelineOptions) -> dict:
 
 def write(rows, destination: Destination, schema: pa.Schema, options: PipelineOptions, *, label: str):
     """Add the write of `rows` (dicts matching `schema`) to `destination`."""
-    o = options.view_as(ClassifyOptions)
     if destination.table:
         kwargs = bigquery_write_args(options)
         return (rows | f"{label}ToBigQueryRow" >> beam.Map(lambda r: {k: _bigquery_value(v) for k, v in r.items()})

@@ -10,8 +10,6 @@ import tempfile
 import threading
 
 import apache_beam as beam
-import pytest
-import torch
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
