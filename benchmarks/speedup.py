@@ -307,9 +307,10 @@ def run(argv=None) -> dict:
                          + (", native bf16" if _native_bf16() else ", no native bf16"),
               "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "workloads": {}}
     # D gets this model through the process-wide handle: seed the handle, no second load
-    held = [_MODEL_HANDLE.acquire(lambda: _ModelHolder(config, loaded=loaded), tag=config.model_tag)
-            for config in [ClassifyConfig(task=t, model=args.model, dtype=args.dtype)
-                           for t, _ in list(workloads.values())[:1]]]
+    held = None  # a strong reference keeps the seeded holder in the handle
+    if workloads:
+        config = ClassifyConfig(task=next(iter(workloads.values()))[0], model=args.model, dtype=args.dtype)
+        held = _MODEL_HANDLE.acquire(lambda: _ModelHolder(config, loaded=loaded), tag=config.model_tag)
     for name, (task, texts) in workloads.items():
         report["workloads"][name] = _bench_workload(name, task, texts, loaded, args)
     if "scaling" not in args.skip and args.scaling_tokens:

@@ -16,6 +16,7 @@ import base64
 import datetime
 import decimal
 import json
+
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -73,11 +74,7 @@ def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.
     clash = [n for n in names if n in reserved or n.startswith("prob_")]
     if clash:
         raise ValueError(f"kept columns {clash} clash with output columns; leave them out of --columns_to_keep")
-    seen = []
-    for n in names:
-        if n not in seen:
-            seen.append(n)
-    return [schema.field(n) if schema is not None else pa.field(n, pa.string()) for n in seen]
+    return [schema.field(n) if schema is not None else pa.field(n, pa.string()) for n in dict.fromkeys(names)]
 
 
 def labeled_schema(task: TaskSpec, kept: list[pa.Field]) -> pa.Schema:
@@ -113,7 +110,7 @@ class ToOutputRow(beam.DoFn):
                 try:
                     pa.array([value], type=type_)
                 except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
-                    input_row = {k: v for k, v in row.items() if k not in self._added and k != GOLD_KEY}
+                    input_row = {k: v for k, v in row.items() if k not in self._added}  # gold: failed_output_row
                     yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
                         input_row, id_value=row.get(self._id_column) if self._id_column else None,
                         reason="output_type", error=f"column {name!r}: {value!r} is not {type_} ({e})",
