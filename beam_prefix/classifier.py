@@ -4,10 +4,12 @@ It ties a `TaskSpec` to a loaded model: renders the prompt (`PromptLayout`), com
 prefix KV once (`PrefixCache`), and classifies batches of texts over it (`score_cached`),
 with `classify_full` as the no-cache reference and `verify` comparing the two.
 
-Threads: the model, the layout and the prefix cache are read-only and may be shared; the
-working cache is per instance. `fork()` makes another instance sharing everything but the
-working cache, which is what each Beam DoFn instance (one per thread) should hold. Calls
-on one instance are serialised by a lock, so sharing an instance is safe, just not parallel.
+Threads: the model, the layout and the prefix cache are read-only and may be shared. With
+shared-prefix attention (the default on sdpa models) a call keeps no state beyond its own
+locals, so threads may even share one instance in parallel. With the expanded working
+cache (other attention implementations) the working cache is per instance: `fork()` makes
+another instance sharing everything but it, which is what each Beam DoFn instance (one
+per thread) holds, and calls on one instance are serialised by a lock.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from beam_prefix.attention import enable_shared_prefix
 from beam_prefix.errors import RowError, VerificationError
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache
@@ -77,13 +80,21 @@ class PrefixClassifier:
         max_batch_tokens: cap on rows x new tokens per forward pass (memory bound).
         verify: run `verify` on a few probe texts now (cached vs full re-encoding).
         atol: tolerance on probabilities for `verify` (default 1e-4 in fp32, 2e-2 otherwise).
+        prefix_attention: how rows attend to the cached prefix. ``"shared"``: the prefix
+            stays at batch 1 and attention is split prefix/new (`beam_prefix.attention`;
+            switches an sdpa model to its sdpa-equivalent ``beam_prefix_sdpa``).
+            ``"expanded"``: a per-instance `DynamicCache` seated on the batch-expanded
+            prefix and cropped back after every batch (any attention implementation).
+            ``"auto"`` (default): shared where the model supports it, else expanded.
     """
 
     def __init__(self, *, task: TaskSpec, loaded: LoadedModel, batch_size: int = 16,
                  max_batch_tokens: int = 8192, verify: bool = True, atol: float | None = None,
-                 _shared: "PrefixClassifier | None" = None):
+                 prefix_attention: str = "auto", _shared: "PrefixClassifier | None" = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if prefix_attention not in ("auto", "shared", "expanded"):
+            raise ValueError(f"prefix_attention must be 'auto', 'shared' or 'expanded', got {prefix_attention!r}")
         self.task = task
         self.loaded = loaded
         self.model = loaded.model
@@ -97,7 +108,8 @@ class PrefixClassifier:
             self.trie, self._first_ids = _shared.trie, _shared._first_ids
             self.prefix_cache, self._calibration = _shared.prefix_cache, _shared._calibration
             self.fingerprint, self.atol = _shared.fingerprint, _shared.atol
-            self._working = self.prefix_cache.working_cache()
+            self.prefix_attention = _shared.prefix_attention
+            self._working = self._new_working()
             return
         dtype = next(self.model.parameters()).dtype
         self.atol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
@@ -110,11 +122,12 @@ class PrefixClassifier:
         self.trie = LabelTrie.build(self.layout.label_ids) if self.mode == "sequence" else None
         start = time.perf_counter()
         self.prefix_cache = PrefixCache(self.model, self.layout.prefix_ids)
-        self._working = self.prefix_cache.working_cache()
+        self.prefix_attention = self._choose_attention(prefix_attention)
+        self._working = self._new_working()
         self.fingerprint = self.layout.fingerprint(self.model_id)
         self._calibration: torch.Tensor | None = None
-        _LOGGER.info("prefix cache: %s; %s scoring; built in %.2f s",
-                     self.layout.describe(), self.mode, time.perf_counter() - start)
+        _LOGGER.info("prefix cache: %s; %s scoring; %s prefix attention; built in %.2f s",
+                     self.layout.describe(), self.mode, self.prefix_attention, time.perf_counter() - start)
         if task.calibration:
             self._calibration = self._calibration_vector(task.calibration)
         if verify:
@@ -145,6 +158,20 @@ class PrefixClassifier:
         return PrefixClassifier(task=self.task, loaded=self.loaded, batch_size=self.batch_size,
                                 max_batch_tokens=self.max_batch_tokens, verify=False, _shared=self)
 
+    def _choose_attention(self, requested: str) -> str:
+        if requested == "expanded":
+            return "expanded"
+        if enable_shared_prefix(self.model):
+            return "shared"
+        if requested == "shared":
+            raise ValueError(f"prefix_attention='shared' needs a model on sdpa attention that dispatches "
+                             f"through transformers' AttentionInterface; this one uses "
+                             f"{self.model.config._attn_implementation!r}")
+        return "expanded"
+
+    def _new_working(self) -> WorkingCache | None:
+        return self.prefix_cache.working_cache() if self.prefix_attention == "expanded" else None
+
     # -- introspection --------------------------------------------------------------------
 
     @property
@@ -153,8 +180,10 @@ class PrefixClassifier:
         return self.prefix_cache.length
 
     def cache_length(self) -> int:
-        """Current working-cache length (equals `prefix_length` between calls)."""
-        return self._working.length()
+        """Tokens the prefix state holds between calls: the working cache's length with
+        expanded attention; the prefix length under shared attention, which stores nothing
+        per call."""
+        return self._working.length() if self._working is not None else self.prefix_length
 
     @property
     def label_tokens(self) -> int:
@@ -221,9 +250,13 @@ class PrefixClassifier:
         out: list[torch.Tensor | None] = [None] * len(encoded)
         for batch in self._batches(order, encoded):
             suffixes = [encoded[i].suffix_ids for i in batch]
-            with self._lock:
-                raw = score_cached(self.model, self.head, self._working, suffixes, self.mode,
+            if self._working is None:
+                raw = score_cached(self.model, self.head, self.prefix_cache, suffixes, self.mode,
                                    self._first_ids, self.trie)
+            else:
+                with self._lock:
+                    raw = score_cached(self.model, self.head, self.prefix_cache, suffixes, self.mode,
+                                       self._first_ids, self.trie, working=self._working)
             for i, r in zip(batch, raw):
                 out[i] = r
         return out

@@ -10,6 +10,10 @@ A label's raw score is the log-likelihood of its continuation after the prompt:
   tokens form a trie appended to every row, each trie token attending to the prefix,
   the row's suffix and its own ancestors (tree attention through a 4-D mask).
 
+The prefix is attended to either directly at batch 1 (`beam_prefix.attention`, the
+default for sdpa models) or through a working `DynamicCache` seated on it (any attention
+implementation; `first_token` mode then uses a plain 2-D mask).
+
 Only what the answer needs is computed: hidden states at the needed positions, the
 label rows of the output head in `first_token` mode, and a log-sum-exp over the
 vocabulary only at trie parents in `sequence` mode; never full-vocabulary logits for
@@ -23,7 +27,8 @@ from typing import Sequence
 
 import torch
 
-from beam_prefix.prefix_cache import WorkingCache
+from beam_prefix.attention import SHARED_SDPA, prefix_kwargs
+from beam_prefix.prefix_cache import PrefixCache, WorkingCache
 
 __all__ = ["LabelTrie", "OutputHead", "choose_mode", "score_cached", "score_full"]
 
@@ -165,37 +170,42 @@ def _right_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, t
     return ids, lengths
 
 
-def score_cached(model, head: OutputHead, working: WorkingCache, suffixes: Sequence[Sequence[int]],
-                 mode: str, first_ids: torch.Tensor, trie: LabelTrie | None) -> torch.Tensor:
+def score_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequence[Sequence[int]],
+                 mode: str, first_ids: torch.Tensor, trie: LabelTrie | None,
+                 working: WorkingCache | None = None) -> torch.Tensor:
     """Raw label scores for a batch of suffixes over the cached prefix: ``[B, K]``.
 
-    The working cache is back at the prefix length when this returns or raises.
+    With `working` None the model must use `attention.SHARED_SDPA`: the suffixes run with
+    no cache and attend to the batch-1 prefix directly (nothing is stored). Otherwise they
+    run through `working`, seated on the batch-expanded prefix, which is back at the
+    prefix length when this returns or raises.
     """
-    prefix_len = working.prefix.length
+    prefix_len = prefix.length
     ids, lengths = _right_pad(suffixes, pad=0)
     batch, width = ids.shape
-    with torch.inference_mode(), working.use(batch) as cache:
-        if mode == "first_token":
-            # 2-D mask must span cached + new tokens: a shorter one is silently zero-padded.
-            mask = torch.cat([torch.ones(batch, prefix_len, dtype=torch.long),
-                              (torch.arange(width)[None] < lengths[:, None]).long()], dim=1)
-            positions = prefix_len + torch.arange(width)[None].expand(batch, -1)
-            out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                   cache=cache, use_cache=True)
-            last = out.last_hidden_state[torch.arange(batch), lengths - 1]  # [B, H]
-            return head.logits_for(last, first_ids)
-        # sequence mode: [suffix | pad | trie internal nodes] per row, tree-attention mask
-        t = trie.size
+    positions = prefix_len + torch.arange(width)[None].expand(batch, -1)
+    t = trie.size if mode == "sequence" else 0
+    if t:  # [suffix | pad | trie internal nodes] per row, tree-attention mask
         ids = torch.cat([ids, trie.tokens[None].expand(batch, -1)], dim=1)
-        suffix_pos = prefix_len + torch.arange(width)[None].expand(batch, -1)
-        trie_pos = prefix_len + lengths[:, None] + trie.depth[None]
-        positions = torch.cat([suffix_pos, trie_pos], dim=1)  # [B, Q]
-        masks = _tree_masks(model, working, lengths, width, trie, positions)
-        out = model.base_model(input_ids=ids, attention_mask=masks, position_ids=positions,
-                               cache=cache, use_cache=True)
-        hidden = out.last_hidden_state
-        parents = torch.cat([hidden[torch.arange(batch), lengths - 1][:, None],
-                             hidden[:, width:width + t]], dim=1)  # [B, 1+T, H]
+        positions = torch.cat([positions, prefix_len + lengths[:, None] + trie.depth[None]], dim=1)
+    with torch.inference_mode():
+        if working is None:
+            masks = _masks(model, prefix, lengths, width, trie if t else None, positions, shared=True)
+            hidden = model.base_model(input_ids=ids, attention_mask=masks, position_ids=positions,
+                                      use_cache=False, **prefix_kwargs(prefix.layers)).last_hidden_state
+        else:
+            with working.use(batch) as cache:
+                if t:
+                    masks = _masks(model, prefix, lengths, width, trie, positions, shared=False)
+                else:  # 2-D, any attention implementation; it must span cached + new tokens
+                    masks = torch.cat([torch.ones(batch, prefix_len, dtype=torch.long),
+                                       (torch.arange(width)[None] < lengths[:, None]).long()], dim=1)
+                hidden = model.base_model(input_ids=ids, attention_mask=masks, position_ids=positions,
+                                          cache=cache, use_cache=True).last_hidden_state
+        last = hidden[torch.arange(batch), lengths - 1]  # [B, H]: each row's last real token
+        if not t:
+            return head.logits_for(last, first_ids)
+        parents = torch.cat([last[:, None], hidden[:, width:width + t]], dim=1)  # [B, 1+T, H]
         lse = head.logsumexp(parents.reshape(batch * (1 + t), -1)).view(batch, 1 + t)
         edge_hidden = parents[:, trie.edge_parent]  # [B, E, H]
         n_edges = trie.edge_token.shape[0]
@@ -205,17 +215,19 @@ def score_cached(model, head: OutputHead, working: WorkingCache, suffixes: Seque
         return trie.label_scores(edge_logprobs)
 
 
-def _tree_masks(model, working: WorkingCache, lengths: torch.Tensor, width: int,
-                trie: LabelTrie, positions: torch.Tensor):
-    """4-D boolean masks ``[B, 1, Q, kept + Q]`` (True = attend), one per layer kind.
+def _masks(model, prefix: PrefixCache, lengths: torch.Tensor, width: int, trie: LabelTrie | None,
+           positions: torch.Tensor, *, shared: bool):
+    """4-D boolean masks (True = attend), one per layer kind: ``[B, 1, Q, kept + Q]``, or
+    ``[B, 1, Q, Q]`` for a full-attention layer under shared-prefix attention (the whole
+    prefix is visible to every query, so its columns are implied).
 
     Suffix tokens attend causally within the row's real suffix; trie nodes attend to the
     whole real suffix and to their ancestors; pad columns attend only to themselves
-    (never an empty row, which would put NaNs into the shared key/value states). Cached
-    prefix keys are visible to all, limited by the window on sliding layers, by position.
+    (never an empty row, which would put NaNs into the hidden states). Cached prefix keys
+    are visible to all, limited by the window on sliding layers, by position.
     """
     batch = lengths.shape[0]
-    t = trie.size
+    t = trie.size if trie is not None else 0
     q = width + t
     col = torch.arange(width)
     real = col[None] < lengths[:, None]  # [B, W]
@@ -225,25 +237,27 @@ def _tree_masks(model, working: WorkingCache, lengths: torch.Tensor, width: int,
     pad_rows = ~real
     diag = torch.arange(width)
     new[:, diag, diag] |= pad_rows
-    new[:, width:, :width] = real[:, None, :]
-    new[:, width:, width:] = trie.ancestors[None]
-    prefix_len = working.prefix.length
+    if t:
+        new[:, width:, :width] = real[:, None, :]
+        new[:, width:, width:] = trie.ancestors[None]
+    prefix_len = prefix.length
 
     def build(window: int | None, kept: int) -> torch.Tensor:
+        if window is None and shared:
+            return new[:, None]
         key_pos_cached = torch.arange(prefix_len - kept, prefix_len)[None, None].expand(batch, q, -1)
         visible_cached = torch.ones(batch, q, kept, dtype=torch.bool)
-        visible_new = new.clone()
+        visible_new = new
         if window is not None:
             visible_cached &= (positions[:, :, None] - key_pos_cached) < window
-            visible_new &= (positions[:, :, None] - positions[:, None, :]) < window
+            visible_new = new & ((positions[:, :, None] - positions[:, None, :]) < window)
             visible_new[:, diag, diag] |= pad_rows
         mask = torch.cat([visible_cached, visible_new], dim=-1)[:, None]
-        return _as_attention_mask(model, mask)
+        return mask if shared else _as_attention_mask(model, mask)
 
     kinds: dict[str, torch.Tensor] = {}
     layer_types = getattr(model.config, "layer_types", None)
-    states = working.prefix.layers
-    for i, state in enumerate(states):
+    for i, state in enumerate(prefix.layers):
         kind = layer_types[i] if layer_types else ("sliding_attention" if state.sliding_window else "full_attention")
         if kind not in kinds:
             kinds[kind] = build(state.sliding_window, state.kept)
@@ -253,7 +267,7 @@ def _tree_masks(model, working: WorkingCache, lengths: torch.Tensor, width: int,
 
 
 def _as_attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
-    if model.config._attn_implementation == "sdpa":
+    if model.config._attn_implementation in ("sdpa", SHARED_SDPA):
         return mask
     if model.config._attn_implementation == "eager":
         dtype = next(model.parameters()).dtype

@@ -228,7 +228,9 @@ def test_a_row_that_keeps_failing_goes_to_failed_not_lost(tiny_dir, monkeypatch)
 def test_dofn_instances_in_threads_match_single_thread(tiny_dir):
     single = {r["ticket_id"]: r["score"] for r in _dofn(tiny_dir).process(GOOD)}
     fns = [_dofn(tiny_dir) for _ in range(4)]
-    assert len({id(fn._clf._working) for fn in fns}) == 4
+    assert len({id(fn._clf) for fn in fns}) == 4
+    assert len({id(fn._clf.prefix_cache) for fn in fns}) == 1  # one prefix per process, read-only
+    assert all(fn._clf.prefix_attention == "shared" and fn._clf._working is None for fn in fns)
     results = run_in_threads(lambda i: [r for _ in range(3) for r in fns[i].process(GOOD[i:] + GOOD[:i])], 4)
     for rows in results:
         for row in rows:

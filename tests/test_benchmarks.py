@@ -11,14 +11,16 @@ from benchmarks import speedup
 def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     report = speedup.run([
         f"--model={tiny_dir}", "--support_rows=6", "--banking77_rows=2", "--batch_sizes=1,4",
+        "--banking77_batch_sizes=1,4", "--banking77_a_rows=2",
         "--scaling_tokens=150,400", "--scaling_a_rows=2", "--rss_rows=8", "--modes=int8",
         f"--out_dir={tmp_path}"])
     for name in ("speedup.json", "speedup.md", "prefix_scaling.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert json.loads((tmp_path / "speedup.json").read_text())["workloads"].keys() == {"support", "banking77"}
     for name, workload in report["workloads"].items():
-        names = [c["name"][0] for c in workload["contenders"]]
-        assert names == ["A", "B", "C", "C", "D"], names
+        names = [c["name"] for c in workload["contenders"]]
+        assert [n[0] for n in names] == ["A", "B", "C", "C", "C", "D"], names
+        assert names[4] == "C with the expanded working cache"
         # B (the recipe), C and D are exact in fp32: the same labels as full re-encoding
         assert all(c["agreement"] == 1.0 for c in workload["contenders"]), (name, workload["contenders"])
         assert workload["floor"]["floor_ms_per_row"] > 0

@@ -36,6 +36,18 @@ def test_cached_equals_full(tiny_models, arch, scoring, labels, batch_size):
     assert clf.cache_length() == clf.prefix_length
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("scoring,labels", [("first_token", ("billing", "technical", "account")),
+                                            ("sequence", tuple(BANKING_LABELS))])
+def test_expanded_working_cache_equals_full(tiny_models, arch, scoring, labels):
+    """The other engine (any attention implementation): a DynamicCache on the expanded prefix."""
+    clf = _classifier(tiny_models[arch], tiny_task(labels, scoring=scoring), batch_size=3,
+                      prefix_attention="expanded")
+    assert clf.prefix_attention == "expanded"
+    assert_same_predictions(clf.classify(TEXTS), clf.classify_full(TEXTS))
+    assert clf.cache_length() == clf.prefix_length
+
+
 @pytest.mark.parametrize("batch_size", [1, 3, 17])
 def test_embedded_cached_equals_full(embedded, batch_size):
     clf = _classifier(embedded, tiny_task(), batch_size=batch_size)
@@ -93,10 +105,13 @@ def test_embedded_multi_token_labels_match_brute_force(embedded):
         assert torch.allclose(got, reference, atol=2e-3), (text, got, reference)
 
 
+@pytest.mark.parametrize("prefix_attention", ["expanded", "shared"])
 @pytest.mark.parametrize("scoring", ["first_token", "sequence"])
-def test_crop_discipline_after_calls_and_exceptions(tiny_models, scoring, monkeypatch):
+def test_crop_discipline_after_calls_and_exceptions(tiny_models, scoring, prefix_attention, monkeypatch):
     labels = BANKING_LABELS if scoring == "sequence" else ("billing", "technical", "account")
-    clf = _classifier(tiny_models["mistral_sliding"], tiny_task(labels, scoring=scoring), batch_size=4)
+    clf = _classifier(tiny_models["mistral_sliding"], tiny_task(labels, scoring=scoring), batch_size=4,
+                      prefix_attention=prefix_attention)
+    assert (clf._working is None) == (prefix_attention == "shared")
     before = clf.prefix_cache.checksum()
     expected = clf.classify(TEXTS[:8])
     assert clf.cache_length() == clf.prefix_length

@@ -7,14 +7,17 @@ from beam_prefix import PrefixClassifier
 from conftest import BANKING_LABELS, TEXTS, assert_same_predictions, run_in_threads, tiny_task
 
 
+@pytest.mark.parametrize("prefix_attention", ["shared", "expanded"])
 @pytest.mark.parametrize("share_instance", [False, True])
-def test_concurrent_classify_matches_single_thread(tiny_models, share_instance):
+def test_concurrent_classify_matches_single_thread(tiny_models, share_instance, prefix_attention):
     clf = PrefixClassifier(task=tiny_task(BANKING_LABELS), loaded=tiny_models["qwen2_sliding"],
-                           verify=False, batch_size=3)
+                           verify=False, batch_size=3, prefix_attention=prefix_attention)
     expected = clf.classify(TEXTS)
     checksum = clf.prefix_cache.checksum()
     workers = [clf if share_instance else clf.fork() for _ in range(4)]
-    if not share_instance:
+    if prefix_attention == "shared":  # nothing mutable per instance at all
+        assert all(w._working is None for w in workers)
+    elif not share_instance:
         assert len({id(w._working) for w in workers}) == 4
         assert all(w.prefix_cache is clf.prefix_cache and w.model is clf.model for w in workers)
 

@@ -1,0 +1,182 @@
+"""Attention over a prefix kept once, at batch 1, shared by every row and every thread.
+
+Reusing a prefix through a `DynamicCache` seats each layer on the prefix keys and values
+expanded to the batch size; the forward pass then `torch.cat`s that view with the batch's
+new tokens, materialising batch x prefix keys and values in every layer, for every batch,
+in every thread (and sdpa repeats them once more per query head under GQA). That copy,
+not the arithmetic, dominated a cached batch, and it made memory grow with threads.
+
+Here the model runs only the batch's new tokens, with no cache object at all. A registered
+attention function (`SHARED_SDPA`, which is plain sdpa on every other call) finds the
+layer's prefix keys and values in a keyword argument of the forward pass and computes the
+softmax over ``[prefix | new]`` keys in two parts:
+
+* prefix part: the queries of all rows folded into one matrix per key/value head,
+  ``[1, kv_heads, rows * group * q, head_dim]`` against the batch-1 prefix
+  ``[1, kv_heads, kept, head_dim]``, never copied; on CPU through torch's blocked flash
+  kernel (which returns the part's logsumexp), else plain matmuls;
+* new part: each row's queries against its own new keys, ``[rows, kv_heads, group * q, q]``.
+
+Each part yields its softmax-weighted values and logsumexp; weighting them by their share
+of the total mass gives the same softmax as over the concatenation (fp32 results equal
+sdpa's within rounding). Nothing of a call outlives it: no working cache grows or is cropped.
+
+Masks (boolean, True = attend) are ``[rows, 1, q, q]`` when the whole prefix is visible to
+every query, or ``[rows, 1, q, kept + q]`` (prefix columns first) when it is not, e.g.
+on a sliding-window layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+__all__ = ["SHARED_SDPA", "PREFIX_KWARG", "enable_shared_prefix", "shared_prefix_attention"]
+
+SHARED_SDPA = "beam_prefix_sdpa"
+# keyword argument of the model forward that carries the per-layer prefix states
+PREFIX_KWARG = "beam_prefix_layers"
+# score elements per chunk of rows (x4 bytes): bounds memory when prefix and queries are long
+_CHUNK_ELEMENTS = 1 << 23
+
+_REGISTER_LOCK = threading.Lock()
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    with _REGISTER_LOCK:
+        if _registered:
+            return
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import sdpa_mask
+
+        def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+            layers = kwargs.pop(PREFIX_KWARG, None)
+            if layers is None:  # any other call: exactly sdpa
+                return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                              scaling=scaling, dropout=dropout, **kwargs)
+            if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+                raise NotImplementedError("shared-prefix attention does not support logit softcapping or sinks")
+            state = layers[module.layer_idx]
+            out = shared_prefix_attention(query, key, value, attention_mask, state.keys, state.values,
+                                          scaling if scaling is not None else query.shape[-1] ** -0.5)
+            return out, None
+
+        AttentionInterface.register(SHARED_SDPA, attention)
+        AttentionMaskInterface.register(SHARED_SDPA, sdpa_mask)
+        _registered = True
+
+
+def enable_shared_prefix(model) -> bool:
+    """Switch `model` from sdpa to `SHARED_SDPA` (identical unless a call passes prefix
+    states); returns whether the model now uses it. Models on other attention
+    implementations, or that do not dispatch through `AttentionInterface`, are left alone."""
+    current = model.config._attn_implementation
+    if current == SHARED_SDPA:
+        return True
+    if current != "sdpa" or not getattr(model, "_can_set_attn_implementation", lambda: False)():
+        return False
+    _register()
+    model.set_attn_implementation(SHARED_SDPA)
+    return model.config._attn_implementation == SHARED_SDPA
+
+
+def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            mask: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
+    """Softmax attention over a batch-1 prefix followed by each row's own new tokens.
+
+    Args:
+        query: ``[B, H, Q, D]``.
+        key, value: the new tokens, ``[B, KV, Q, D]`` (H a multiple of KV).
+        mask: boolean ``[B, 1, Q, Q]`` (prefix fully visible) or ``[B, 1, Q, P + Q]``.
+        prefix_keys, prefix_values: ``[1, KV, P, D]``.
+        scaling: the softmax scale.
+    Returns:
+        ``[B, Q, H, D]`` (the layout transformers' attention functions return).
+    """
+    batch, heads, q, _ = query.shape
+    kept = prefix_keys.shape[-2]
+    flash = mask.shape[-1] == q and query.device.type == "cpu" and _flash_works()
+    per_row = heads * q * (q if flash else kept + q)
+    step = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
+    if step >= batch:
+        return _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash)
+    parts = [_attend(query[i:i + step], key[i:i + step], value[i:i + step], mask[i:i + step],
+                     prefix_keys, prefix_values, scaling, flash) for i in range(0, batch, step)]
+    return torch.cat(parts)
+
+
+def _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash):
+    batch, heads, q, dim = query.shape
+    kv = key.shape[1]
+    group = heads // kv
+    kept = prefix_keys.shape[-2]
+    rows = group * q  # query rows per kv head: the heads of a group share keys (GQA)
+    qs = (query * scaling).reshape(batch, kv, rows, dim)
+    # prefix part: every row's queries folded into one matrix per kv head, [1, KV, B*rows, D]
+    folded = qs.transpose(0, 1).reshape(1, kv, batch * rows, dim)
+    if flash:  # blocked kernel: the [B*rows, P] scores never materialise
+        out_pre, lse_pre = _FLASH_OP(folded, prefix_keys, prefix_values, scale=1.0)
+    else:
+        scores = torch.matmul(folded, prefix_keys.transpose(-1, -2)).float()
+        if mask.shape[-1] == kept + q:  # [1, KV, B*rows, P] viewed per row/head/query
+            hidden = ~mask[:, :, :, :kept].expand(batch, group, q, kept).reshape(1, 1, batch * rows, kept)
+            scores.masked_fill_(hidden, float("-inf"))
+        out_pre, lse_pre = _softmax_part(scores, prefix_values)
+    out_pre = out_pre.view(kv, batch, rows, dim).transpose(0, 1)  # [B, KV, rows, D]
+    lse_pre = lse_pre.view(kv, batch, rows).transpose(0, 1)
+    # new part: each row against its own new tokens, [B, KV, rows, Q]
+    scores = torch.matmul(qs, key.transpose(-1, -2)).float().view(batch, kv, group, q, q)
+    scores.masked_fill_(~mask[:, :, None, :, -q:], float("-inf"))
+    out_new, lse_new = _softmax_part(scores.view(batch, kv, rows, q), value)
+    # one softmax over both parts: weight each by its share of the total mass
+    lse = torch.logaddexp(lse_pre.float(), lse_new)
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = (out_pre.float() * torch.exp(lse_pre.float() - lse)[..., None]
+           + out_new.float() * torch.exp(lse_new - lse)[..., None])
+    return out.to(query.dtype).reshape(batch, heads, q, dim).transpose(1, 2).contiguous()
+
+
+def _softmax_part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention restricted to one part of the keys: ``(softmax(scores) @ values, logsumexp)``.
+    A query with no visible key here gets output 0 and logsumexp -inf (weight 0 when merged)."""
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    weights = torch.exp_(scores.sub_(top))
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights.to(values.dtype), values).float() / total.clamp_min(torch.finfo(total.dtype).tiny)
+    return out, (top + total.log()).squeeze(-1)
+
+
+# torch's CPU flash-attention kernel, which (unlike the public sdpa) also returns the
+# logsumexp needed to merge the prefix part with the new part. It is an internal op, so
+# it is used only after a numerical check against the plain computation passes.
+_FLASH_OP = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
+_flash_ok: bool | None = None
+
+
+def _flash_works() -> bool:
+    global _flash_ok
+    if _flash_ok is None:
+        _flash_ok = False
+        if _FLASH_OP is not None:
+            try:
+                gen = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(1, 2, n, 8, generator=gen) for n in (5, 7, 7))
+                out, lse = _FLASH_OP(q, k, v, scale=0.5)
+                ref_out, ref_lse = _softmax_part(torch.matmul(q, k.transpose(-1, -2)) * 0.5, v)
+                _flash_ok = (out.shape == ref_out.shape and lse.shape == ref_lse.shape
+                             and torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5))
+            except Exception:  # a torch without it, or another signature: the plain path
+                _flash_ok = False
+    return _flash_ok
+
+
+def prefix_kwargs(layers: Sequence) -> dict:
+    """The keyword argument that routes a forward pass's attention through the prefix."""
+    return {PREFIX_KWARG: layers}

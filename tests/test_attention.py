@@ -1,0 +1,83 @@
+"""Shared-prefix attention: the same softmax as sdpa over the concatenated keys."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from beam_prefix import PrefixClassifier, attention
+from beam_prefix.attention import shared_prefix_attention
+from beam_prefix.model import LoadedModel
+
+from conftest import TEXTS, assert_same_predictions, tiny_task
+
+
+def _reference(query, key, value, mask, pk, pv, scaling):
+    """sdpa over [prefix expanded to the batch | new], heads repeated for GQA."""
+    batch, heads = query.shape[:2]
+    group = heads // key.shape[1]
+    k = torch.cat([pk.expand(batch, -1, -1, -1), key], 2).repeat_interleave(group, 1)
+    v = torch.cat([pv.expand(batch, -1, -1, -1), value], 2).repeat_interleave(group, 1)
+    if mask.shape[-1] == key.shape[-2]:  # prefix columns implied: all visible
+        mask = torch.cat([torch.ones(*mask.shape[:-1], pk.shape[-2], dtype=torch.bool), mask], -1)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling).transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (3, 1)])
+@pytest.mark.parametrize("prefix_columns", [False, True])
+@pytest.mark.parametrize("chunk", [None, 1])
+@pytest.mark.parametrize("flash", [True, False])
+def test_matches_sdpa_over_the_concatenation(heads, kv, prefix_columns, chunk, flash, monkeypatch):
+    if chunk:  # force one row per chunk
+        monkeypatch.setattr(attention, "_CHUNK_ELEMENTS", chunk)
+    # the prefix part through torch's flash kernel (checked at first use) or plain matmuls
+    assert attention._flash_works()
+    monkeypatch.setattr(attention, "_flash_ok", flash)
+    gen = torch.Generator().manual_seed(heads * 10 + kv)
+    batch, q, p, d = 5, 7, 11, 8
+    query = torch.randn(batch, heads, q, d, generator=gen) * 3
+    key, value = torch.randn(2, batch, kv, q, d, generator=gen)
+    pk, pv = torch.randn(2, 1, kv, p, d, generator=gen)
+    new = torch.tril(torch.ones(q, q, dtype=torch.bool)).repeat(batch, 1, 1, 1)
+    new[1, :, :, 4:] = False  # a padded row: its pad queries see themselves only
+    new[1, :, torch.arange(4, q), torch.arange(4, q)] = True
+    mask = new
+    if prefix_columns:  # e.g. a sliding window hiding the oldest prefix keys from later queries
+        seen = torch.ones(batch, 1, q, p, dtype=torch.bool)
+        seen[:, :, 3:, :4] = False
+        mask = torch.cat([seen, new], -1)
+    got = shared_prefix_attention(query, key, value, mask, pk, pv, 0.3)
+    want = _reference(query, key, value, mask, pk, pv, 0.3)
+    assert got.shape == (batch, q, heads, d)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def _copy(loaded, attn_implementation):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(loaded.model.config, attn_implementation=attn_implementation)
+    model.load_state_dict(loaded.model.state_dict())
+    return model.eval()
+
+
+def test_enabling_keeps_every_other_forward_identical(tiny_models):
+    model = _copy(tiny_models["qwen2_sliding"], "sdpa")  # the session's models may be switched already
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[5, 9, 100, 7, 3, 2000, 41, 8] * 5])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        assert attention.enable_shared_prefix(model)
+        assert model.config._attn_implementation == attention.SHARED_SDPA
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+def test_auto_falls_back_to_the_expanded_cache_on_eager(tiny_models):
+    """A model on eager attention keeps it: auto picks the expanded working cache."""
+    base = tiny_models["llama"]
+    model = _copy(base, "eager")
+    loaded = LoadedModel(model, base.tokenizer, "tiny-llama-eager")
+    clf = PrefixClassifier(task=tiny_task(), loaded=loaded, verify=True)
+    assert clf.prefix_attention == "expanded" and model.config._attn_implementation == "eager"
+    assert_same_predictions(clf.classify(TEXTS), clf.classify_full(TEXTS))
+    with pytest.raises(ValueError, match="prefix_attention='shared' needs"):
+        PrefixClassifier(task=tiny_task(), loaded=loaded, verify=False, prefix_attention="shared")
