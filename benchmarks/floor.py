@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-__all__ = ["non_embedding_params", "matmul_gflops", "floor_ms_per_row"]
+__all__ = ["non_embedding_params", "matmul_gflops", "floor_ms_per_row", "other_flops_per_row"]
 
 
 def non_embedding_params(model) -> int:
@@ -54,3 +54,19 @@ def matmul_gflops(model, token_rows: int, *, repeats: int = 5, dtype=torch.float
 def floor_ms_per_row(params: int, tokens_per_row: float, gflops: float) -> float:
     """Milliseconds per row at `gflops` for 2 x params x tokens FLOPs."""
     return 2.0 * params * tokens_per_row / (gflops * 1e9) * 1e3
+
+
+def other_flops_per_row(config, *, prefix_tokens: int, suffix_tokens: float, label_tokens: int,
+                        labels: int) -> float:
+    """FLOPs per row that 2 x params x tokens leaves out, for the floor that counts them:
+    attention scores and weighted values (4 x heads x head_dim per query-key pair: suffix
+    tokens see the prefix and the earlier suffix tokens, trie tokens the prefix and the
+    whole suffix, their few ancestors left out; sliding windows ignored), and the output
+    head: the label rows at one position in first-token mode, the whole vocabulary at each
+    trie parent in sequence mode (the log-sum-exp that makes label log-probabilities exact)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    pairs = suffix_tokens * (prefix_tokens + suffix_tokens / 2) + label_tokens * (prefix_tokens + suffix_tokens)
+    attention = 4.0 * heads * head_dim * config.num_hidden_layers * pairs
+    outputs = labels if not label_tokens else config.vocab_size * (1 + label_tokens)
+    return attention + 2.0 * config.hidden_size * outputs
