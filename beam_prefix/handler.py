@@ -6,7 +6,8 @@
 `load_model` loads the model and builds the prefix cache (RunInference shares the result
 between the threads of a worker). `run_inference` may then be called from several
 threads at once on that one object, so each thread classifies through its own fork
-(own working cache, shared weights and prefix) kept in a thread-local.
+(shared weights and prefix; with the expanded engine its own working cache) kept in a
+thread-local.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ and values (``[1, kv_heads, prefix_len_l, head_dim]``; a sliding-window layer ke
 its last ``window - 1`` positions). It is never mutated after construction, so any
 number of threads may share it.
 
-`WorkingCache` is the mutable part, one per caller (per classifier instance, per DoFn
-instance): a `DynamicCache` whose layers are seated on the prefix tensors expanded to the
-batch size (a view, no copy). A forward pass appends the batch's suffix tokens; `use()`
-crops them off again afterwards, also when the forward raises, so between calls the
-working cache always holds exactly the prefix.
+Rows reach the prefix in one of two ways. Shared-prefix attention (`beam_prefix.attention`)
+reads these tensors directly and needs nothing else. The expanded engine, for any other
+attention implementation, uses a `WorkingCache`: the mutable part, one per caller (per
+classifier instance, per DoFn instance), a `DynamicCache` whose layers are seated on the
+prefix tensors expanded to the batch size (a view; the cache update's `torch.cat` then
+copies it). A forward pass appends the batch's suffix tokens; `use()` crops them off
+again afterwards, also when the forward raises, so between calls the working cache
+always holds exactly the prefix.
 """
 
 from __future__ import annotations
