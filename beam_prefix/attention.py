@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SHARED_SDPA", "PREFIX_KWARG", "enable_shared_prefix", "shared_prefix_attention"]
+__all__ = ["SHARED_SDPA", "PREFIX_KWARG", "enable_shared_prefix", "shared_prefix_attention", "prefix_kwargs"]
 
 SHARED_SDPA = "beam_prefix_sdpa"
 # keyword argument of the model forward that carries the per-layer prefix states
