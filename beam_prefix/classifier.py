@@ -14,6 +14,7 @@ per thread) holds, and calls on one instance are serialised by a lock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -250,13 +251,10 @@ class PrefixClassifier:
         out: list[torch.Tensor | None] = [None] * len(encoded)
         for batch in self._batches(order, encoded):
             suffixes = [encoded[i].suffix_ids for i in batch]
-            if self._working is None:
+            # only a working cache is mutable: shared-prefix calls may run in parallel
+            with self._lock if self._working is not None else contextlib.nullcontext():
                 raw = score_cached(self.model, self.head, self.prefix_cache, suffixes, self.mode,
-                                   self._first_ids, self.trie)
-            else:
-                with self._lock:
-                    raw = score_cached(self.model, self.head, self.prefix_cache, suffixes, self.mode,
-                                       self._first_ids, self.trie, working=self._working)
+                                   self._first_ids, self.trie, working=self._working)
             for i, r in zip(batch, raw):
                 out[i] = r
         return out

@@ -74,7 +74,8 @@ def _a_rows(name: str, args) -> int | None:
 
 def _bench_workload(name, task, texts, loaded, args) -> dict:
     clf = PrefixClassifier(task=task, loaded=loaded, verify=False)
-    a_rows = texts[:_a_rows(name, args)] if _a_rows(name, args) else texts
+    limit = _a_rows(name, args)
+    a_rows = texts[:limit] if limit else texts
     warm = texts[:2]
     result = {"rows": len(texts), "a_rows": len(a_rows), "prefix_tokens": clf.prefix_length,
               "scoring": clf.mode, "label_tokens": clf.label_tokens, "contenders": []}
