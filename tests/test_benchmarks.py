@@ -24,6 +24,9 @@ def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
         # B (the recipe), C and D are exact in fp32: the same labels as full re-encoding
         assert all(c["agreement"] == 1.0 for c in workload["contenders"]), (name, workload["contenders"])
         assert workload["floor"]["floor_ms_per_row"] > 0
+        d = workload["contenders"][-1]
+        assert d["beam_batch"] == 4 * d["batch"] == 4 * workload["best_c"]["batch"]
+        assert "_a_labels" not in workload
     assert report["workloads"]["banking77"]["scoring"] == "sequence"
     assert [p["prefix_tokens"] for p in report["scaling"]] == sorted(p["prefix_tokens"] for p in report["scaling"])
     assert report["rss"]["rss_mb_1_thread"] > 0 and report["modes"][0]["mode"] == "int8"
