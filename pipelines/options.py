@@ -84,7 +84,8 @@ class ClassifyOptions(PipelineOptions):
         model.add_argument("--batch_size", type=int, default=16, help="Rows per forward pass.")
         model.add_argument("--min_batch_size", type=int, default=None,
                            help="Smallest Beam batch (BatchElements), default min(8, max).")
-        model.add_argument("--max_batch_size", type=int, default=64, help="Largest Beam batch (BatchElements).")
+        model.add_argument("--max_batch_size", type=int, default=None,
+                           help="Largest Beam batch (BatchElements), default max(64, 4 x batch_size).")
         model.add_argument("--max_text_tokens", type=int, default=None,
                            help="Token budget for one row's text (default: the task's).")
         model.add_argument("--overflow", default=None, choices=("truncate", "reject"),

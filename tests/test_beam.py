@@ -10,6 +10,7 @@ import tempfile
 import threading
 
 import apache_beam as beam
+import pytest
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -112,6 +113,18 @@ def test_failed_rows_keep_the_original_row(tiny_dir):
     by_id = {r["id"]: r for r in failed}
     assert by_id["B4"]["row"] == {"ticket_id": "B4", "body": "no text column"}
     assert "over the budget" in by_id["B6"]["error"]
+
+
+def test_beam_batches_default_to_several_forward_batches():
+    # the DoFn sorts a Beam batch by length: several forward batches per Beam batch pack
+    # similar lengths together, also when a user raises batch_size alone
+    bounds = lambda t: (t._min_batch_size, t._max_batch_size)
+    assert bounds(ClassifyText(task=_task())) == (8, 64)
+    assert bounds(ClassifyText(task=_task(), batch_size=64)) == (8, 256)
+    assert bounds(ClassifyText(task=_task(), min_batch_size=100)) == (100, 100)
+    assert bounds(ClassifyText(task=_task(), max_batch_size=4)) == (4, 4)
+    with pytest.raises(ValueError, match="min_batch_size <= max_batch_size"):
+        ClassifyText(task=_task(), min_batch_size=10, max_batch_size=5)
 
 
 def test_beam_rows_and_metrics(tiny_dir, tmp_path):
