@@ -72,7 +72,8 @@ def _a_rows(name: str, args) -> int | None:
     return args.banking77_a_rows if name == "banking77" else args.a_rows
 
 
-def _bench_workload(name, task, texts, loaded, args) -> dict:
+def _bench_workload(name, task, texts, loaded, args) -> tuple[dict, list[str]]:
+    """The workload's report entry, and A's labels (the optional modes' reference)."""
     clf = PrefixClassifier(task=task, loaded=loaded, verify=False)
     limit = _a_rows(name, args)
     a_rows = texts[:limit] if limit else texts
@@ -149,9 +150,8 @@ def _bench_workload(name, task, texts, loaded, args) -> dict:
                        "other_gflop_per_row": other / 1e9, "floor_with_attention_ms_per_row": floor_all,
                        "c_percent_of_floor_with_attention": 100.0 * floor_all / best["ms_per_row"]}
     result["b_over_a"] = a_ms / b_ms
-    result["_a_labels"] = a_labels  # the modes' reference; not written out
     result["c_over_b"] = b_ms / best["ms_per_row"]
-    return result
+    return result, a_labels
 
 
 def _scaled_task(task: TaskSpec, pool: list[tuple[str, str]], target: int, tokenizer) -> TaskSpec:
@@ -347,9 +347,10 @@ def run(argv=None) -> dict:
     if workloads:
         config = ClassifyConfig(task=next(iter(workloads.values()))[0], model=args.model, dtype=args.dtype)
         held = _MODEL_HANDLE.acquire(lambda: _ModelHolder(config, loaded=loaded), tag=config.model_tag)
+    reference = {}  # A's labels per workload
     # the files are rewritten after every section: a long run cut short keeps what it measured
     for name, (task, texts) in workloads.items():
-        report["workloads"][name] = _bench_workload(name, task, texts, loaded, args)
+        report["workloads"][name], reference[name] = _bench_workload(name, task, texts, loaded, args)
         _write(report, args.out_dir)
     if "scaling" not in args.skip and args.scaling_tokens:
         report["scaling"] = _scaling(loaded, args)
@@ -358,11 +359,8 @@ def run(argv=None) -> dict:
         report["rss"] = _rss(args)
         _write(report, args.out_dir)
     if "modes" not in args.skip and args.modes and workloads:
-        reference = {n: w["_a_labels"] for n, w in report["workloads"].items()}
         best = {n: w["best_c"] for n, w in report["workloads"].items()}
         report["modes"] = _modes(loaded, workloads, reference, best, args)
-    for w in report["workloads"].values():
-        w.pop("_a_labels", None)
     markdown = _write(report, args.out_dir)
     print(markdown)
     del held
@@ -372,10 +370,8 @@ def run(argv=None) -> dict:
 def _write(report: dict, out_dir: str) -> str:
     """Write speedup.json, speedup.md and (with scaling) prefix_scaling.png; returns the Markdown."""
     os.makedirs(out_dir, exist_ok=True)
-    public = {**report, "workloads": {n: {k: v for k, v in w.items() if k != "_a_labels"}
-                                      for n, w in report["workloads"].items()}}
     with open(os.path.join(out_dir, "speedup.json"), "w", encoding="utf-8") as f:
-        json.dump(public, f, indent=2)
+        json.dump(report, f, indent=2)
     if report.get("scaling"):
         _plot_scaling(report["scaling"], os.path.join(out_dir, "prefix_scaling.png"))
     markdown = _markdown(report)
