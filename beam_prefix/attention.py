@@ -24,20 +24,30 @@ sdpa's within rounding). Nothing of a call outlives it: no working cache grows o
 Masks (boolean, True = attend) are ``[rows, 1, q, q]`` when the whole prefix is visible to
 every query, or ``[rows, 1, q, kept + q]`` (prefix columns first) when it is not, e.g.
 on a sliding-window layer.
+
+A batch can also run *packed* (`Packing`): its rows' real tokens concatenated into one
+sequence, ``[1, T]``, with no padding, so the linear layers (most of the work) and the
+prefix part compute nothing for pad columns, however unequal the rows are. Only the
+small new part is laid out padded, ``[rows, kv_heads, group * q, q]``, so that the
+padded masks above (tree masks and sliding windows included) apply unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Sequence
 
 import torch
 
-__all__ = ["SHARED_SDPA", "PREFIX_KWARG", "enable_shared_prefix", "shared_prefix_attention", "prefix_kwargs"]
+__all__ = ["SHARED_SDPA", "PREFIX_KWARG", "PACKING_KWARG", "Packing", "enable_shared_prefix",
+           "shared_prefix_attention", "prefix_kwargs"]
 
 SHARED_SDPA = "beam_prefix_sdpa"
 # keyword argument of the model forward that carries the per-layer prefix states
 PREFIX_KWARG = "beam_prefix_layers"
+# keyword argument that marks a packed batch and carries its `Packing`
+PACKING_KWARG = "beam_prefix_packing"
 # score elements per chunk of rows (x4 bytes): bounds memory when prefix and queries are long
 _CHUNK_ELEMENTS = 1 << 23
 
@@ -61,9 +71,11 @@ def _register() -> None:
                                               scaling=scaling, dropout=dropout, **kwargs)
             if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
                 raise NotImplementedError("shared-prefix attention does not support logit softcapping or sinks")
+            packing = kwargs.pop(PACKING_KWARG, None)
             state = layers[module.layer_idx]
             out = shared_prefix_attention(query, key, value, attention_mask, state.keys, state.values,
-                                          scaling if scaling is not None else query.shape[-1] ** -0.5)
+                                          scaling if scaling is not None else query.shape[-1] ** -0.5,
+                                          packing=packing)
             return out, None
 
         AttentionInterface.register(SHARED_SDPA, attention)
@@ -85,30 +97,122 @@ def enable_shared_prefix(model) -> bool:
     return model.config._attn_implementation == SHARED_SDPA
 
 
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where the tokens of a packed batch sit in its padded layout.
+
+    Each row's tokens are contiguous in the packed sequence, rows in order.
+
+    Attributes:
+        index: ``[T]`` long, ``row * width + column`` of each packed token.
+        offsets: ``[B + 1]`` long, first packed token of each row (``offsets[B] == T``).
+        width: ``Q``, columns per row in the padded layout (the masks' query length).
+    """
+
+    index: torch.Tensor
+    offsets: torch.Tensor
+    width: int
+
+    @classmethod
+    def of(cls, columns: Sequence[torch.Tensor], width: int) -> "Packing":
+        """From each row's real columns (``[n_i]`` long, ascending) in a ``width``-wide layout."""
+        index = torch.cat([c + i * width for i, c in enumerate(columns)])
+        counts = torch.tensor([0] + [int(c.shape[0]) for c in columns], dtype=torch.long)
+        return cls(index=index, offsets=counts.cumsum(0), width=width)
+
+    @property
+    def rows(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """``[B, Q, ...]`` -> ``[1, T, ...]``."""
+        return padded.reshape(-1, *padded.shape[2:])[self.index][None]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``[1, T, ...]`` -> ``[B, Q, ...]``, zeros at the pad columns."""
+        flat = packed.new_zeros(self.rows * self.width, *packed.shape[2:])
+        flat[self.index] = packed[0]
+        return flat.view(self.rows, self.width, *packed.shape[2:])
+
+    def slice(self, start: int, stop: int) -> tuple[int, int, "Packing"]:
+        """Rows ``[start, stop)``: their packed token range and their own `Packing`."""
+        first, last = int(self.offsets[start]), int(self.offsets[stop])
+        part = Packing(index=self.index[first:last] - start * self.width,
+                       offsets=self.offsets[start:stop + 1] - first, width=self.width)
+        return first, last, part
+
+
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             mask: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
-                            scaling: float) -> torch.Tensor:
+                            scaling: float, packing: Packing | None = None) -> torch.Tensor:
     """Softmax attention over a batch-1 prefix followed by each row's own new tokens.
 
     Args:
-        query: ``[B, H, Q, D]``.
-        key, value: the new tokens, ``[B, KV, Q, D]`` (H a multiple of KV).
-        mask: boolean ``[B, 1, Q, Q]`` (prefix fully visible) or ``[B, 1, Q, P + Q]``.
+        query: ``[B, H, Q, D]``, or ``[1, H, T, D]`` when `packing` is given.
+        key, value: the new tokens, ``[B, KV, Q, D]`` (H a multiple of KV), or ``[1, KV, T, D]``.
+        mask: boolean ``[B, 1, Q, Q]`` (prefix fully visible) or ``[B, 1, Q, P + Q]``, always
+            in the padded layout.
         prefix_keys, prefix_values: ``[1, KV, P, D]``.
         scaling: the softmax scale.
+        packing: the packed batch's layout, or None for a padded batch.
     Returns:
-        ``[B, Q, H, D]`` (the layout transformers' attention functions return).
+        ``[B, Q, H, D]``, or ``[1, T, H, D]`` packed (the layout transformers' attention
+        functions return).
     """
-    batch, heads, q, _ = query.shape
+    heads = query.shape[1]
+    batch = packing.rows if packing is not None else query.shape[0]
+    q = packing.width if packing is not None else query.shape[2]
     kept = prefix_keys.shape[-2]
     flash = mask.shape[-1] == q and query.device.type == "cpu" and _flash_works()
     per_row = heads * q * (q if flash else kept + q)
     step = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
-    if step >= batch:
-        return _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash)
-    parts = [_attend(query[i:i + step], key[i:i + step], value[i:i + step], mask[i:i + step],
-                     prefix_keys, prefix_values, scaling, flash) for i in range(0, batch, step)]
-    return torch.cat(parts)
+    if packing is None:
+        if step >= batch:
+            return _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash)
+        parts = [_attend(query[i:i + step], key[i:i + step], value[i:i + step], mask[i:i + step],
+                         prefix_keys, prefix_values, scaling, flash) for i in range(0, batch, step)]
+        return torch.cat(parts)
+    parts = []
+    for i in range(0, batch, step):
+        first, last, part = packing.slice(i, min(i + step, batch))
+        parts.append(_attend_packed(query[:, :, first:last], key[:, :, first:last], value[:, :, first:last],
+                                    mask[i:i + step], prefix_keys, prefix_values, scaling, flash, part))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _attend_packed(query, key, value, mask, prefix_keys, prefix_values, scaling, flash, packing: Packing):
+    _, heads, t, dim = query.shape
+    kv = key.shape[1]
+    group = heads // kv
+    kept = prefix_keys.shape[-2]
+    batch, width = packing.rows, packing.width
+    qs = query * scaling
+    # prefix part: the packed queries of a kv head are already one matrix, [1, KV, group*T, D]
+    folded = qs.reshape(1, kv, group * t, dim)
+    if flash:
+        out_pre, lse_pre = _FLASH_OP(folded, prefix_keys, prefix_values, scale=1.0)
+    else:
+        scores = torch.matmul(folded, prefix_keys.transpose(-1, -2)).float()
+        if mask.shape[-1] == kept + width:
+            seen = packing.pack(mask[:, 0, :, :kept])[0]  # [T, P]
+            scores.masked_fill_(~seen.expand(group, t, kept).reshape(1, 1, group * t, kept), float("-inf"))
+        out_pre, lse_pre = _softmax_part(scores, prefix_values)
+    out_pre = out_pre.view(kv, group, t, dim).permute(2, 0, 1, 3)  # [T, KV, group, D]
+    lse_pre = lse_pre.view(kv, group, t).permute(2, 0, 1)
+    # new part, padded so the per-row masks apply: [B, KV, group*Q, Q]; pad q/k/v are zeros
+    qp = packing.unpack(qs.transpose(1, 2)).view(batch, width, kv, group, dim).permute(0, 2, 3, 1, 4)
+    kp = packing.unpack(key.transpose(1, 2)).transpose(1, 2)  # [B, KV, Q, D]
+    vp = packing.unpack(value.transpose(1, 2)).transpose(1, 2)
+    scores = torch.matmul(qp, kp[:, :, None].transpose(-1, -2)).float()  # [B, KV, group, Q, Q]
+    scores.masked_fill_(~mask[:, :, None, :, -width:], float("-inf"))
+    out_new, lse_new = _softmax_part(scores.view(batch, kv, group * width, width), vp)
+    out_new = packing.pack(out_new.view(batch, kv, group, width, dim).permute(0, 3, 1, 2, 4))[0]
+    lse_new = packing.pack(lse_new.view(batch, kv, group, width).permute(0, 3, 1, 2))[0]
+    lse = torch.logaddexp(lse_pre.float(), lse_new)
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = (out_pre.float() * torch.exp(lse_pre.float() - lse)[..., None]
+           + out_new * torch.exp(lse_new - lse)[..., None])
+    return out.to(query.dtype).reshape(1, t, heads, dim)
 
 
 def _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash):
@@ -177,6 +281,10 @@ def _flash_works() -> bool:
     return _flash_ok
 
 
-def prefix_kwargs(layers: Sequence) -> dict:
-    """The keyword argument that routes a forward pass's attention through the prefix."""
-    return {PREFIX_KWARG: layers}
+def prefix_kwargs(layers: Sequence, packing: Packing | None = None) -> dict:
+    """The keyword arguments that route a forward pass's attention through the prefix
+    (and, with `packing`, mark its ``[1, T]`` input as that packed batch)."""
+    kwargs = {PREFIX_KWARG: layers}
+    if packing is not None:
+        kwargs[PACKING_KWARG] = packing
+    return kwargs

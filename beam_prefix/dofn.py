@@ -57,7 +57,8 @@ class ClassifyConfig:
         id_column: optional id column, echoed in failed rows for easy lookup.
         dtype: ``float32`` (exact) or ``bfloat16``.
         threads: torch intra-op threads per worker process.
-        batch_size: rows per forward pass (rows of a Beam batch are sorted by length first).
+        batch_size: rows per forward pass (on sdpa models rows run packed, so rows of
+            different lengths share a pass without padding).
         verify: run the cached-vs-full self-check when the prefix cache is built.
     """
 

@@ -11,8 +11,9 @@ A label's raw score is the log-likelihood of its continuation after the prompt:
   the row's suffix and its own ancestors (tree attention through a 4-D mask).
 
 The prefix is attended to either directly at batch 1 (`beam_prefix.attention`, the
-default for sdpa models) or through a working `DynamicCache` seated on it (any attention
-implementation; `first_token` mode then uses a plain 2-D mask).
+default for sdpa models; the batch then runs packed, so pad columns cost nothing) or
+through a working `DynamicCache` seated on it (any attention implementation;
+`first_token` mode then uses a plain 2-D mask).
 
 Only what the answer needs is computed: hidden states at the needed positions, the
 label rows of the output head in `first_token` mode, and a log-sum-exp over the
@@ -27,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from beam_prefix.attention import SHARED_SDPA, prefix_kwargs
+from beam_prefix.attention import SHARED_SDPA, Packing, prefix_kwargs
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache
 
 __all__ = ["LabelTrie", "OutputHead", "choose_mode", "score_cached", "score_full"]
@@ -189,10 +190,14 @@ def score_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequenc
         ids = torch.cat([ids, trie.tokens[None].expand(batch, -1)], dim=1)
         positions = torch.cat([positions, prefix_len + lengths[:, None] + trie.depth[None]], dim=1)
     with torch.inference_mode():
-        if working is None:
+        if working is None:  # packed: no pad token goes through the model
             masks = _masks(model, prefix, lengths, width, trie if t else None, positions, shared=True)
-            hidden = model.base_model(input_ids=ids, attention_mask=masks, position_ids=positions,
-                                      use_cache=False, **prefix_kwargs(prefix.layers)).last_hidden_state
+            trie_cols = torch.arange(width, width + t)
+            packing = Packing.of([torch.cat([torch.arange(n), trie_cols]) for n in lengths.tolist()], width + t)
+            packed = model.base_model(input_ids=packing.pack(ids), attention_mask=masks,
+                                      position_ids=packing.pack(positions), use_cache=False,
+                                      **prefix_kwargs(prefix.layers, packing)).last_hidden_state
+            hidden = packing.unpack(packed)
         else:
             with working.use(batch) as cache:
                 if t:

@@ -6,8 +6,8 @@
 
 Rows are dicts (or `beam.Row`s, or bare strings); they are batched with
 `beam.BatchElements` (bounds settable), and each batch is classified by
-`PrefixCachedClassifyDoFn` after sorting its rows by length, so a larger Beam batch
-groups similar lengths into each forward pass.
+`PrefixCachedClassifyDoFn`, `batch_size` rows per forward pass. A Beam batch spans
+several forward passes, so per-batch costs are paid once per several passes.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ class ClassifyText(beam.PTransform):
         if changes:
             task = task.replace(**changes)
         if max_batch_size is None:
-            # several forward batches per Beam batch: the DoFn sorts a Beam batch by length,
-            # and packing similar lengths saves the padding (measured by the benchmark)
+            # several forward batches per Beam batch: fewer per-batch costs, and on the
+            # expanded-cache path (non-sdpa models, which pad) a length-sorted Beam batch
+            # groups similar lengths into each forward pass
             max_batch_size = max(64, 4 * batch_size, min_batch_size or 1)
         if min_batch_size is None:
             min_batch_size = min(8, max_batch_size)

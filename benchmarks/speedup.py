@@ -115,9 +115,7 @@ def _bench_workload(name, task, texts, loaded, args) -> tuple[dict, list[str]]:
     if "d" not in args.skip:
         # Fixed Beam batches several forward batches long. Left adaptive, BatchElements
         # starts small and tunes for a fixed per-batch overhead, but here every row gets
-        # cheaper up to the full forward batch. And C sorts all its rows by length before
-        # cutting forward batches, while the DoFn can only sort within a Beam batch: Beam
-        # batches of one forward batch each would pad random-length rows together.
+        # cheaper up to the full forward batch.
         beam_batch = args.d_beam_batches * best["batch"]
         transform = ClassifyText(task=task, model=args.model, batch_size=best["batch"],
                                  min_batch_size=beam_batch, max_batch_size=beam_batch,

@@ -51,6 +51,59 @@ def test_matches_sdpa_over_the_concatenation(heads, kv, prefix_columns, chunk, f
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("prefix_columns", [False, True])
+@pytest.mark.parametrize("chunk", [None, 1])
+@pytest.mark.parametrize("flash", [True, False])
+def test_packed_batch_matches_sdpa_on_its_real_tokens(heads, kv, prefix_columns, chunk, flash, monkeypatch):
+    """Rows of unequal length packed into one sequence: each real token's output equals
+    sdpa's for the padded batch; pad columns are never computed."""
+    if chunk:
+        monkeypatch.setattr(attention, "_CHUNK_ELEMENTS", chunk)
+    assert attention._flash_works()
+    monkeypatch.setattr(attention, "_flash_ok", flash)
+    gen = torch.Generator().manual_seed(heads + kv)
+    lengths, q, p, d = [7, 2, 5, 1], 7, 11, 8
+    batch = len(lengths)
+    query = torch.randn(batch, heads, q, d, generator=gen) * 3
+    key, value = torch.randn(2, batch, kv, q, d, generator=gen)
+    pk, pv = torch.randn(2, 1, kv, p, d, generator=gen)
+    real = torch.arange(q)[None] < torch.tensor(lengths)[:, None]
+    new = torch.tril(torch.ones(q, q, dtype=torch.bool)) & real[:, None, :]
+    new[:, torch.arange(q), torch.arange(q)] = True  # pad queries see themselves only
+    mask = new[:, None]
+    if prefix_columns:
+        seen = torch.ones(batch, 1, q, p, dtype=torch.bool)
+        seen[:, :, 3:, :4] = False
+        mask = torch.cat([seen, mask], -1)
+    packing = attention.Packing.of([torch.arange(n) for n in lengths], q)
+    # garbage at the pad columns must not leak into any real token
+    noisy = [torch.where(real[:, None, :, None], x, torch.full_like(x, 1e4)) for x in (query, key, value)]
+    packed = [packing.pack(x.transpose(1, 2)).transpose(1, 2) for x in noisy]  # [1, heads, T, d]
+    assert packed[0].shape == (1, heads, sum(lengths), d)
+    got = shared_prefix_attention(*packed, mask, pk, pv, 0.3, packing=packing)
+    want = _reference(query, key, value, mask, pk, pv, 0.3)  # [B, q, heads, d]
+    assert got.shape == (1, sum(lengths), heads, d)
+    assert torch.allclose(got[0], want[real], atol=1e-5), (got[0] - want[real]).abs().max()
+    assert torch.equal(packing.unpack(got)[~real], torch.zeros(int((~real).sum()), heads, d))
+
+
+def test_cached_forward_runs_only_real_tokens(tiny_models):
+    """Shared-prefix batches reach the model packed: one sequence of exactly the rows'
+    suffix tokens (plus each row's copy of the label trie), no padding."""
+    clf = PrefixClassifier(task=tiny_task(), loaded=tiny_models["llama"], verify=False, batch_size=len(TEXTS))
+    assert clf.prefix_attention == "shared"
+    shapes = []
+    embed = clf.model.get_input_embeddings()
+    handle = embed.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    try:
+        clf.classify(TEXTS)
+    finally:
+        handle.remove()
+    suffix_tokens = sum(len(clf.encode(text).suffix_ids) for text in TEXTS)
+    assert shapes == [(1, suffix_tokens)]
+
+
 def _copy(loaded, attn_implementation):
     from transformers import AutoModelForCausalLM
 

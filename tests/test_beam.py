@@ -222,8 +222,12 @@ def test_a_row_that_keeps_failing_goes_to_failed_not_lost(tiny_dir, monkeypatch)
     original = base_cls.forward
     poison = fn._clf.encode(GOOD[2]["text"]).suffix_ids
 
+    def holds_poison(row) -> bool:  # padded rows or one packed sequence: look anywhere
+        ids = row.tolist()
+        return any(tuple(ids[i:i + len(poison)]) == poison for i in range(len(ids) - len(poison) + 1))
+
     def fail_on_poison(self, *args, input_ids=None, **kwargs):
-        if any(tuple(r[:len(poison)].tolist()) == poison for r in input_ids):
+        if any(holds_poison(r) for r in input_ids):
             original(self, *args, input_ids=input_ids, **kwargs)
             raise RuntimeError("this row always fails")
         return original(self, *args, input_ids=input_ids, **kwargs)
