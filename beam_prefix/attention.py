@@ -208,11 +208,7 @@ def _attend_packed(query, key, value, mask, prefix_keys, prefix_values, scaling,
     out_new, lse_new = _softmax_part(scores.view(batch, kv, group * width, width), vp)
     out_new = packing.pack(out_new.view(batch, kv, group, width, dim).permute(0, 3, 1, 2, 4))[0]
     lse_new = packing.pack(lse_new.view(batch, kv, group, width).permute(0, 3, 1, 2))[0]
-    lse = torch.logaddexp(lse_pre.float(), lse_new)
-    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    out = (out_pre.float() * torch.exp(lse_pre.float() - lse)[..., None]
-           + out_new * torch.exp(lse_new - lse)[..., None])
-    return out.to(query.dtype).reshape(1, t, heads, dim)
+    return _merge(out_pre, lse_pre, out_new, lse_new).to(query.dtype).reshape(1, t, heads, dim)
 
 
 def _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash):
@@ -238,12 +234,17 @@ def _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash)
     scores = torch.matmul(qs, key.transpose(-1, -2)).float().view(batch, kv, group, q, q)
     scores.masked_fill_(~mask[:, :, None, :, -q:], float("-inf"))
     out_new, lse_new = _softmax_part(scores.view(batch, kv, rows, q), value)
-    # one softmax over both parts: weight each by its share of the total mass
-    lse = torch.logaddexp(lse_pre.float(), lse_new)
-    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    out = (out_pre.float() * torch.exp(lse_pre.float() - lse)[..., None]
-           + out_new.float() * torch.exp(lse_new - lse)[..., None])
+    out = _merge(out_pre, lse_pre, out_new, lse_new)
     return out.to(query.dtype).reshape(batch, heads, q, dim).transpose(1, 2).contiguous()
+
+
+def _merge(out_pre, lse_pre, out_new, lse_new) -> torch.Tensor:
+    """One softmax over both parts: each part's output weighted by its share of the total
+    mass (fp32). A query that sees nothing in either part gets 0, not NaN."""
+    lse = torch.logaddexp(lse_pre.float(), lse_new.float())
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return (out_pre.float() * torch.exp(lse_pre.float() - lse)[..., None]
+            + out_new.float() * torch.exp(lse_new.float() - lse)[..., None])
 
 
 def _softmax_part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
