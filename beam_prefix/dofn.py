@@ -3,8 +3,9 @@
 `setup()` acquires the model through a process-wide `apache_beam.utils.shared.Shared`
 handle (one load per worker process, shared by every thread and by every ClassifyText
 step that uses the same model), gets the task's prefix cache (built once per process and
-task, read-only), and forks its own classifier (with the expanded engine, its own
-working cache, which no other thread touches). `process()` takes a list of rows (from
+task, read-only), and forks its own classifier (under shared-prefix attention a fork
+holds no state between calls; on the expanded cache it has its own working cache, which
+no other thread touches). `process()` takes a list of rows (from
 `BatchElements`), validates each row, classifies the good ones in one call, and emits
 every row exactly once: to the main (`labeled`) output or to the `failed` output with a
 reason and a stage.
