@@ -40,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SHARED_SDPA", "PREFIX_KWARG", "PACKING_KWARG", "Packing", "enable_shared_prefix",
+__all__ = ["SHARED_SDPA", "PREFIX_KWARG", "PACKING_KWARG", "CALL_KWARG", "Packing", "enable_shared_prefix",
            "shared_prefix_attention", "prefix_kwargs"]
 
 SHARED_SDPA = "beam_prefix_sdpa"
@@ -48,6 +48,8 @@ SHARED_SDPA = "beam_prefix_sdpa"
 PREFIX_KWARG = "beam_prefix_layers"
 # keyword argument that marks a packed batch and carries its `Packing`
 PACKING_KWARG = "beam_prefix_packing"
+# keyword argument carrying the call's own earlier tokens (`engine.CallState`): read, then extended
+CALL_KWARG = "beam_prefix_call"
 # score elements per chunk of rows (x4 bytes): bounds memory when prefix and queries are long
 _CHUNK_ELEMENTS = 1 << 23
 
@@ -72,10 +74,17 @@ def _register() -> None:
             if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
                 raise NotImplementedError("shared-prefix attention does not support logit softcapping or sinks")
             packing = kwargs.pop(PACKING_KWARG, None)
+            call = kwargs.pop(CALL_KWARG, None)
             state = layers[module.layer_idx]
+            past = call.past(module.layer_idx) if call is not None else None
             out = shared_prefix_attention(query, key, value, attention_mask, state.keys, state.values,
                                           scaling if scaling is not None else query.shape[-1] ** -0.5,
-                                          packing=packing)
+                                          packing=packing, past=past)
+            if call is not None:  # later steps of this call attend to these tokens too
+                if packing is None:
+                    raise ValueError("a call's earlier tokens are only kept for packed batches")
+                call.record(module.layer_idx, packing.unpack(key.transpose(1, 2)).transpose(1, 2),
+                            packing.unpack(value.transpose(1, 2)).transpose(1, 2))
             return out, None
 
         AttentionInterface.register(SHARED_SDPA, attention)
@@ -144,17 +153,21 @@ class Packing:
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             mask: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
-                            scaling: float, packing: Packing | None = None) -> torch.Tensor:
-    """Softmax attention over a batch-1 prefix followed by each row's own new tokens.
+                            scaling: float, packing: Packing | None = None,
+                            past: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Softmax attention over a batch-1 prefix, then each row's earlier tokens of this call
+    (if any), then each row's own new tokens.
 
     Args:
         query: ``[B, H, Q, D]``, or ``[1, H, T, D]`` when `packing` is given.
         key, value: the new tokens, ``[B, KV, Q, D]`` (H a multiple of KV), or ``[1, KV, T, D]``.
-        mask: boolean ``[B, 1, Q, Q]`` (prefix fully visible) or ``[B, 1, Q, P + Q]``, always
-            in the padded layout.
+        mask: boolean ``[B, 1, Q, N + Q]`` (prefix fully visible) or ``[B, 1, Q, P + N + Q]``,
+            always in the padded layout (N: the earlier tokens in `past`, else 0).
         prefix_keys, prefix_values: ``[1, KV, P, D]``.
         scaling: the softmax scale.
         packing: the packed batch's layout, or None for a padded batch.
+        past: keys and values of the rows' earlier tokens, ``[B, KV, N, D]`` each, padded
+            layout (packed batches only).
     Returns:
         ``[B, Q, H, D]``, or ``[1, T, H, D]`` packed (the layout transformers' attention
         functions return).
@@ -163,10 +176,13 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     batch = packing.rows if packing is not None else query.shape[0]
     q = packing.width if packing is not None else query.shape[2]
     kept = prefix_keys.shape[-2]
-    flash = mask.shape[-1] == q and query.device.type == "cpu" and _flash_works()
-    per_row = heads * q * (q if flash else kept + q)
+    n_past = past[0].shape[-2] if past is not None else 0
+    flash = mask.shape[-1] == n_past + q and query.device.type == "cpu" and _flash_works()
+    per_row = heads * q * (n_past + q if flash else kept + n_past + q)
     step = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
     if packing is None:
+        if past is not None:
+            raise ValueError("earlier tokens of a call are only supported for packed batches")
         if step >= batch:
             return _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash)
         parts = [_attend(query[i:i + step], key[i:i + step], value[i:i + step], mask[i:i + step],
@@ -175,40 +191,74 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     parts = []
     for i in range(0, batch, step):
         first, last, part = packing.slice(i, min(i + step, batch))
+        if first == last:  # rows with no new token in this pass
+            continue
+        rows = None if past is None else (past[0][i:i + step], past[1][i:i + step])
         parts.append(_attend_packed(query[:, :, first:last], key[:, :, first:last], value[:, :, first:last],
-                                    mask[i:i + step], prefix_keys, prefix_values, scaling, flash, part))
+                                    mask[i:i + step], prefix_keys, prefix_values, scaling, part, rows))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _attend_packed(query, key, value, mask, prefix_keys, prefix_values, scaling, flash, packing: Packing):
+def _attend_packed(query, key, value, mask, prefix_keys, prefix_values, scaling, packing: Packing, past):
     _, heads, t, dim = query.shape
     kv = key.shape[1]
     group = heads // kv
     kept = prefix_keys.shape[-2]
     batch, width = packing.rows, packing.width
+    n_past = past[0].shape[-2] if past is not None else 0
     qs = query * scaling
     # prefix part: the packed queries of a kv head are already one matrix, [1, KV, group*T, D]
     folded = qs.reshape(1, kv, group * t, dim)
-    if flash:
-        out_pre, lse_pre = _FLASH_OP(folded, prefix_keys, prefix_values, scale=1.0)
-    else:
-        scores = torch.matmul(folded, prefix_keys.transpose(-1, -2)).float()
-        if mask.shape[-1] == kept + width:
-            seen = packing.pack(mask[:, 0, :, :kept])[0]  # [T, P]
-            scores.masked_fill_(~seen.expand(group, t, kept).reshape(1, 1, group * t, kept), float("-inf"))
-        out_pre, lse_pre = _softmax_part(scores, prefix_values)
+    seen = packing.pack(mask[:, 0, :, :kept])[0] if mask.shape[-1] == kept + n_past + width else None
+    out_pre, lse_pre = _prefix_part(folded, prefix_keys, prefix_values, seen, group)
     out_pre = out_pre.view(kv, group, t, dim).permute(2, 0, 1, 3)  # [T, KV, group, D]
     lse_pre = lse_pre.view(kv, group, t).permute(2, 0, 1)
-    # new part, padded so the per-row masks apply: [B, KV, group*Q, Q]; pad q/k/v are zeros
+    # the rows' own part, padded so the per-row masks apply: [B, KV, group*Q, N + Q], where
+    # N are the call's earlier tokens of the row; pad q/k/v are zeros
     qp = packing.unpack(qs.transpose(1, 2)).view(batch, width, kv, group, dim).permute(0, 2, 3, 1, 4)
     kp = packing.unpack(key.transpose(1, 2)).transpose(1, 2)  # [B, KV, Q, D]
     vp = packing.unpack(value.transpose(1, 2)).transpose(1, 2)
-    scores = torch.matmul(qp, kp[:, :, None].transpose(-1, -2)).float()  # [B, KV, group, Q, Q]
-    scores.masked_fill_(~mask[:, :, None, :, -width:], float("-inf"))
-    out_new, lse_new = _softmax_part(scores.view(batch, kv, group * width, width), vp)
+    if past is not None:
+        kp, vp = torch.cat([past[0], kp], dim=2), torch.cat([past[1], vp], dim=2)
+    cols = n_past + width
+    scores = torch.matmul(qp, kp[:, :, None].transpose(-1, -2)).float()  # [B, KV, group, Q, N + Q]
+    scores.masked_fill_(~mask[:, :, None, :, -cols:], float("-inf"))
+    out_new, lse_new = _softmax_part(scores.view(batch, kv, group * width, cols), vp)
     out_new = packing.pack(out_new.view(batch, kv, group, width, dim).permute(0, 3, 1, 2, 4))[0]
     lse_new = packing.pack(lse_new.view(batch, kv, group, width).permute(0, 3, 1, 2))[0]
-    return _merge(out_pre, lse_pre, out_new, lse_new).to(query.dtype).reshape(1, t, heads, dim)
+    return _merge((out_pre, lse_pre), (out_new, lse_new)).to(query.dtype).reshape(1, t, heads, dim)
+
+
+def _prefix_part(folded, prefix_keys, prefix_values, seen, group):
+    """Packed queries ``[1, KV, group * T, D]`` against the batch-1 prefix ``[1, KV, P, D]``.
+
+    `seen` (``[T, P]`` bool, or None when every query sees the whole prefix) comes from a
+    window: the columns every query sees go through the flash kernel as one block; only
+    the leading *edge* columns that some query cannot see are scored with a mask. A
+    sliding-window layer thus never materialises the ``[T, P]`` score matrix, however long
+    the batch."""
+    kept = prefix_keys.shape[-2]
+    kv, rows, dim = folded.shape[1], folded.shape[2], folded.shape[3]
+    edge = 0
+    if seen is not None:
+        hidden_somewhere = ~seen.all(0)  # [P]
+        if bool(hidden_somewhere.any()):
+            edge = int(hidden_somewhere.nonzero().max()) + 1
+    parts = []
+    if edge < kept:  # columns every query sees: no mask
+        keys, values = prefix_keys[:, :, edge:], prefix_values[:, :, edge:]
+        if folded.device.type == "cpu" and _flash_works():
+            if edge:
+                keys, values = keys.contiguous(), values.contiguous()
+            parts.append(_FLASH_OP(folded, keys, values, scale=1.0)[:2])
+        else:
+            parts.append(_softmax_part(torch.matmul(folded, keys.transpose(-1, -2)).float(), values))
+    if edge:  # the few columns hidden from some queries
+        scores = torch.matmul(folded, prefix_keys[:, :, :edge].transpose(-1, -2)).float()
+        t = rows // group
+        hidden = ~seen[:, :edge].expand(group, t, edge).reshape(1, 1, rows, edge)
+        parts.append(_softmax_part(scores.masked_fill_(hidden, float("-inf")), prefix_values[:, :, :edge]))
+    return parts[0] if len(parts) == 1 else _merge_lse(parts)
 
 
 def _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash):
@@ -234,17 +284,23 @@ def _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash)
     scores = torch.matmul(qs, key.transpose(-1, -2)).float().view(batch, kv, group, q, q)
     scores.masked_fill_(~mask[:, :, None, :, -q:], float("-inf"))
     out_new, lse_new = _softmax_part(scores.view(batch, kv, rows, q), value)
-    out = _merge(out_pre, lse_pre, out_new, lse_new)
+    out = _merge((out_pre, lse_pre), (out_new, lse_new))
     return out.to(query.dtype).reshape(batch, heads, q, dim).transpose(1, 2).contiguous()
 
 
-def _merge(out_pre, lse_pre, out_new, lse_new) -> torch.Tensor:
-    """One softmax over both parts: each part's output weighted by its share of the total
-    mass (fp32). A query that sees nothing in either part gets 0, not NaN."""
-    lse = torch.logaddexp(lse_pre.float(), lse_new.float())
-    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return (out_pre.float() * torch.exp(lse_pre.float() - lse)[..., None]
-            + out_new.float() * torch.exp(lse_new.float() - lse)[..., None])
+def _merge(*parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One softmax over several parts of the keys, each given as ``(output, logsumexp)``."""
+    return _merge_lse(parts)[0]
+
+
+def _merge_lse(parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each part's output weighted by its share of the total mass (fp32); returns the merged
+    output and the total logsumexp. A query that sees nothing in any part gets output 0
+    (not NaN) and logsumexp -inf, so it still weighs nothing in a later merge."""
+    lse = torch.logsumexp(torch.stack([p[1].float() for p in parts]), dim=0)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = sum(p[0].float() * torch.exp(p[1].float() - safe)[..., None] for p in parts)
+    return out, lse
 
 
 def _softmax_part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,10 +338,13 @@ def _flash_works() -> bool:
     return _flash_ok
 
 
-def prefix_kwargs(layers: Sequence, packing: Packing | None = None) -> dict:
+def prefix_kwargs(layers: Sequence, packing: Packing | None = None, call=None) -> dict:
     """The keyword arguments that route a forward pass's attention through the prefix
-    (and, with `packing`, mark its ``[1, T]`` input as that packed batch)."""
+    (with `packing`, mark its ``[1, T]`` input as that packed batch; with `call`, an
+    `engine.CallState`, let it attend to the call's earlier tokens and record its own)."""
     kwargs = {PREFIX_KWARG: layers}
     if packing is not None:
         kwargs[PACKING_KWARG] = packing
+    if call is not None:
+        kwargs[CALL_KWARG] = call
     return kwargs

@@ -24,6 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 __all__ = ["PrefixCache", "WorkingCache", "LayerState"]
 
@@ -105,35 +106,50 @@ class WorkingCache:
         self.prefix = prefix
         self.cache: DynamicCache | None = None
         self.batch_size = 0
+        self.plain = False
         self.rewinds = 0
         self._seat(1)
 
-    def _seat(self, batch_size: int) -> None:
+    def _seat(self, batch_size: int, plain: bool = False) -> None:
         cache = DynamicCache(config=self.prefix.config)
         if len(cache.layers) != len(self.prefix.layers):
             raise RuntimeError(f"cache has {len(cache.layers)} layers, prefix has {len(self.prefix.layers)}")
-        for layer, state in zip(cache.layers, self.prefix.layers):
+        for i, state in enumerate(self.prefix.layers):
+            if plain:  # keeps every appended token; the masks apply the windows
+                cache.layers[i] = DynamicLayer()
+            layer = cache.layers[i]
             keys = state.keys.expand(batch_size, -1, -1, -1)
             values = state.values.expand(batch_size, -1, -1, -1)
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
-            if state.sliding_window is not None:
+            if state.sliding_window is not None and not plain:
                 layer.cumulative_length = self.prefix.length
                 # keep the full states until crop, so the window can roll back to the prefix
                 layer.activate_past_recording()
-        self.cache, self.batch_size = cache, batch_size
+        self.cache, self.batch_size, self.plain = cache, batch_size, plain
+
+    def _extra(self) -> int:
+        """Tokens appended after the prefix (the same count in every layer)."""
+        layer = self.cache.layers[0]
+        return 0 if layer.keys is None else layer.keys.shape[-2] - self.prefix.layers[0].kept
 
     def length(self) -> int:
         """Tokens the working cache currently represents (the prefix length between calls)."""
-        return self.cache.get_seq_length() if self.cache is not None else 0
+        return self.prefix.length + self._extra() if self.cache is not None else 0
 
     @contextlib.contextmanager
-    def use(self, batch_size: int) -> Iterator[DynamicCache]:
-        """Yield the cache seated for `batch_size` rows; crop back to the prefix on exit."""
+    def use(self, batch_size: int, *, plain: bool = False) -> Iterator[DynamicCache]:
+        """Yield the cache seated for `batch_size` rows; crop back to the prefix on exit.
+
+        `plain`: every layer a plain `DynamicLayer`, which keeps all tokens appended during
+        the call (several forward passes); a window then lives only in the 4-D masks.
+        Sliding-window cache layers would return only their last ``window - 1`` columns by
+        *layout*, which in a padded multi-step layout is not the same as by position.
+        """
         if self.length() != self.prefix.length:  # a crop failed earlier: start clean
-            self._seat(batch_size)
-        elif batch_size != self.batch_size:
-            self._seat(batch_size)
+            self._seat(batch_size, plain)
+        elif batch_size != self.batch_size or plain != self.plain:
+            self._seat(batch_size, plain)
         try:
             yield self.cache
         finally:
@@ -141,8 +157,8 @@ class WorkingCache:
 
     def rewind(self) -> None:
         """Crop everything after the prefix (transformers 5: `crop` takes a negative count)."""
-        extra = self.length() - self.prefix.length
         try:
+            extra = self._extra()
             if extra > 0:
                 self.cache.crop(-extra)
             self.rewinds += 1
@@ -151,12 +167,12 @@ class WorkingCache:
             _LOGGER.exception("cropping the working cache failed; re-seating it on the prefix")
             ok = False
         if not ok:
-            self._seat(self.batch_size or 1)
+            self._seat(self.batch_size or 1, self.plain)
 
     def _at_prefix(self) -> bool:
         for layer, state in zip(self.cache.layers, self.prefix.layers):
             if layer.keys is None or layer.keys.shape[-2] != state.kept:
                 return False
-            if state.sliding_window is not None and layer.cumulative_length != self.prefix.length:
+            if getattr(layer, "is_sliding", False) and layer.cumulative_length != self.prefix.length:
                 return False
         return True

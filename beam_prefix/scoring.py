@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from beam_prefix.attention import SHARED_SDPA, Packing, prefix_kwargs
+from beam_prefix.engine import Step, forward
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache
 
 __all__ = ["LabelTrie", "OutputHead", "choose_mode", "score_cached", "score_full"]
@@ -163,50 +163,30 @@ class LabelTrie:
         return (gathered * self.label_mask).sum(-1)
 
 
-def _right_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    ids = torch.full((len(rows), int(lengths.max())), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return ids, lengths
-
-
 def score_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequence[Sequence[int]],
                  mode: str, first_ids: torch.Tensor, trie: LabelTrie | None,
                  working: WorkingCache | None = None) -> torch.Tensor:
-    """Raw label scores for a batch of suffixes over the cached prefix: ``[B, K]``.
+    """Raw label scores for a batch of suffixes over the cached prefix: ``[B, K]``, with
+    the whole label trie (exhaustive) in sequence mode: one forward pass of
+    ``[suffix | trie internal nodes]`` per row (`engine.forward`).
 
     With `working` None the model must use `attention.SHARED_SDPA`: the suffixes run with
     no cache and attend to the batch-1 prefix directly (nothing is stored). Otherwise they
     run through `working`, seated on the batch-expanded prefix, which is back at the
     prefix length when this returns or raises.
     """
-    prefix_len = prefix.length
-    ids, lengths = _right_pad(suffixes, pad=0)
-    batch, width = ids.shape
-    positions = prefix_len + torch.arange(width)[None].expand(batch, -1)
+    step = Step.suffixes(suffixes, prefix.length)
+    lengths = step.lengths
+    batch, width = step.ids.shape
     t = trie.size if mode == "sequence" else 0
-    if t:  # [suffix | pad | trie internal nodes] per row, tree-attention mask
-        ids = torch.cat([ids, trie.tokens[None].expand(batch, -1)], dim=1)
-        positions = torch.cat([positions, prefix_len + lengths[:, None] + trie.depth[None]], dim=1)
+    if t:
+        step = _with_trie(step, trie)
     with torch.inference_mode():
-        if working is None:  # packed: no pad token goes through the model
-            masks = _masks(model, prefix, lengths, width, trie if t else None, positions, shared=True)
-            trie_cols = torch.arange(width, width + t)
-            packing = Packing.of([torch.cat([torch.arange(n), trie_cols]) for n in lengths.tolist()], width + t)
-            packed = model.base_model(input_ids=packing.pack(ids), attention_mask=masks,
-                                      position_ids=packing.pack(positions), use_cache=False,
-                                      **prefix_kwargs(prefix.layers, packing)).last_hidden_state
-            hidden = packing.unpack(packed)
+        if working is None:
+            hidden = forward(model, prefix, step)
         else:
             with working.use(batch) as cache:
-                if t:
-                    masks = _masks(model, prefix, lengths, width, trie, positions, shared=False)
-                else:  # 2-D, any attention implementation; it must span cached + new tokens
-                    masks = torch.cat([torch.ones(batch, prefix_len, dtype=torch.long),
-                                       (torch.arange(width)[None] < lengths[:, None]).long()], dim=1)
-                hidden = model.base_model(input_ids=ids, attention_mask=masks, position_ids=positions,
-                                          cache=cache, use_cache=True).last_hidden_state
+                hidden = forward(model, prefix, step, cache=cache)
         last = hidden[torch.arange(batch), lengths - 1]  # [B, H]: each row's last real token
         if not t:
             return head.logits_for(last, first_ids)
@@ -220,65 +200,21 @@ def score_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequenc
         return trie.label_scores(edge_logprobs)
 
 
-def _masks(model, prefix: PrefixCache, lengths: torch.Tensor, width: int, trie: LabelTrie | None,
-           positions: torch.Tensor, *, shared: bool):
-    """4-D boolean masks (True = attend), one per layer kind: ``[B, 1, Q, kept + Q]``, or
-    ``[B, 1, Q, Q]`` for a full-attention layer under shared-prefix attention (the whole
-    prefix is visible to every query, so its columns are implied).
-
-    Suffix tokens attend causally within the row's real suffix; trie nodes attend to the
-    whole real suffix and to their ancestors; pad columns attend only to themselves
-    (never an empty row, which would put NaNs into the hidden states). Cached prefix keys
-    are visible to all, limited by the window on sliding layers, by position.
-    """
-    batch = lengths.shape[0]
-    t = trie.size if trie is not None else 0
+def _with_trie(step: Step, trie: LabelTrie) -> Step:
+    """``[suffix | pad | trie internal nodes]`` per row: each node sees the row's real
+    suffix and its own ancestors (tree attention), at position suffix end + depth."""
+    batch, width = step.ids.shape
+    t = trie.size
+    lengths = step.lengths
     q = width + t
-    col = torch.arange(width)
-    real = col[None] < lengths[:, None]  # [B, W]
-    new = torch.zeros(batch, q, q, dtype=torch.bool)
-    causal = col[:, None] >= col[None, :]  # [W, W]
-    new[:, :width, :width] = causal[None] & real[:, None, :] & real[:, :, None]
-    pad_rows = ~real
-    diag = torch.arange(width)
-    new[:, diag, diag] |= pad_rows
-    if t:
-        new[:, width:, :width] = real[:, None, :]
-        new[:, width:, width:] = trie.ancestors[None]
-    prefix_len = prefix.length
-
-    def build(window: int | None, kept: int) -> torch.Tensor:
-        if window is None and shared:
-            return new[:, None]
-        key_pos_cached = torch.arange(prefix_len - kept, prefix_len)[None, None].expand(batch, q, -1)
-        visible_cached = torch.ones(batch, q, kept, dtype=torch.bool)
-        visible_new = new
-        if window is not None:
-            visible_cached &= (positions[:, :, None] - key_pos_cached) < window
-            visible_new = new & ((positions[:, :, None] - positions[:, None, :]) < window)
-            visible_new[:, diag, diag] |= pad_rows
-        mask = torch.cat([visible_cached, visible_new], dim=-1)[:, None]
-        return mask if shared else _as_attention_mask(model, mask)
-
-    kinds: dict[str, torch.Tensor] = {}
-    layer_types = getattr(model.config, "layer_types", None)
-    for i, state in enumerate(prefix.layers):
-        kind = layer_types[i] if layer_types else ("sliding_attention" if state.sliding_window else "full_attention")
-        if kind not in kinds:
-            kinds[kind] = build(state.sliding_window, state.kept)
-    if len(kinds) == 1:
-        return next(iter(kinds.values()))
-    return kinds
-
-
-def _as_attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
-    if model.config._attn_implementation in ("sdpa", SHARED_SDPA):
-        return mask
-    if model.config._attn_implementation == "eager":
-        dtype = next(model.parameters()).dtype
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-    raise ValueError(f"sequence scoring needs sdpa or eager attention, not "
-                     f"{model.config._attn_implementation!r}; load the model with attn_implementation='sdpa'")
+    see = torch.zeros(batch, q, q, dtype=torch.bool)
+    see[:, :width, :width] = step.see_new
+    see[:, width:, :width] = step.real[:, None, :]
+    see[:, width:, width:] = trie.ancestors[None]
+    start = step.positions[:, :1]
+    return Step(ids=torch.cat([step.ids, trie.tokens[None].expand(batch, -1)], dim=1),
+                positions=torch.cat([step.positions, start + lengths[:, None] + trie.depth[None]], dim=1),
+                real=torch.cat([step.real, torch.ones(batch, t, dtype=torch.bool)], dim=1), see_new=see)
 
 
 def score_full(model, prompt_ids: Sequence[int], mode: str, first_ids: torch.Tensor,

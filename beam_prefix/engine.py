@@ -1,0 +1,200 @@
+"""The one forward path over the cached prefix, shared by every way of scoring.
+
+A `Step` is the new tokens of one forward pass for a batch of rows, in the padded layout
+``[B, Q]``, with who sees whom among them. `forward` runs it over the prefix and returns
+the hidden states ``[B, Q, H]``; exhaustive label scoring runs one step (suffix and label
+trie together), pruned label search runs several (the suffix, then rounds of trie nodes).
+
+A step may attend to tokens that earlier steps of the same call computed (a row's suffix,
+the label-trie nodes already expanded for it): the `CallState` of the call remembers
+their positions and, under shared-prefix attention, their keys and values per layer. It
+is a local of the call: created for it, dropped with it (also when a forward raises),
+never shared between calls or threads. On the expanded engine the call's tokens live in
+the working cache instead, which `WorkingCache.use` crops back to the prefix on exit.
+
+Masks are boolean (True = attend) per layer kind, ``[B, 1, Q, cols]`` where the columns
+are ``[prefix | call's earlier tokens | this step]``; the prefix columns are left out
+under shared-prefix attention where the whole prefix is visible (no window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from beam_prefix.attention import SHARED_SDPA, Packing, prefix_kwargs
+from beam_prefix.prefix_cache import PrefixCache
+
+__all__ = ["Step", "CallState", "forward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """New tokens of one forward pass, padded layout.
+
+    Attributes:
+        ids: ``[B, Q]`` token ids (anything at pad columns).
+        positions: ``[B, Q]`` absolute positions (the prefix has ``0 .. P-1``).
+        real: ``[B, Q]`` bool, which columns are tokens.
+        see_new: ``[B, Q, Q]`` bool, query column sees key column of the same step (a
+            real token sees itself).
+        see_past: ``[B, Q, N]`` bool, query column sees the call's earlier token n; None
+            when the call has none.
+        causal: the step is plain causal suffixes with nothing earlier (the expanded
+            engine then passes a 2-D mask, which any attention implementation takes).
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    real: torch.Tensor
+    see_new: torch.Tensor
+    see_past: torch.Tensor | None = None
+    causal: bool = False
+
+    @classmethod
+    def suffixes(cls, rows, start: int) -> "Step":
+        """Each row's token ids (a sequence of ints), causal, from position `start`."""
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        width = int(lengths.max())
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        col = torch.arange(width)
+        real = col[None] < lengths[:, None]
+        causal = col[:, None] >= col[None, :]
+        see = causal[None] & real[:, None, :] & real[:, :, None]
+        positions = (start + col)[None].expand(len(rows), -1)
+        return cls(ids=ids, positions=positions, real=real, see_new=see, causal=True)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.real.sum(-1)
+
+
+class CallState:
+    """The tokens one call has computed so far, beyond the prefix (padded layout ``[B, N]``).
+
+    Attributes:
+        positions: ``[B, N]`` positions of the earlier tokens.
+        real: ``[B, N]`` bool, which of them are tokens (not pad columns).
+    Under shared-prefix attention it also holds, per layer, their keys and values
+    ``[B, KV, N, D]``, recorded by the attention function as each layer runs.
+    """
+
+    def __init__(self, batch: int):
+        self.positions = torch.zeros(batch, 0, dtype=torch.long)
+        self.real = torch.zeros(batch, 0, dtype=torch.bool)
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def length(self) -> int:
+        return int(self.positions.shape[1])
+
+    def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._layers.get(layer)
+
+    def record(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys/values ``[B, KV, Q, D]`` of the running step; visible from the next step."""
+        self._pending[layer] = (keys, values)
+
+    def commit(self, step: Step) -> None:
+        """The step ran to the end: its tokens become earlier tokens of the call."""
+        for layer, (k, v) in self._pending.items():
+            old = self._layers.get(layer)
+            self._layers[layer] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
+        self._pending.clear()
+        self.positions = torch.cat([self.positions, step.positions], dim=1)
+        self.real = torch.cat([self.real, step.real], dim=1)
+
+
+def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallState | None = None) -> torch.Tensor:
+    """Run `step` over the prefix; returns hidden states ``[B, Q, H]`` (zeros at pad
+    columns under shared-prefix attention).
+
+    With `cache` None the model must use `attention.SHARED_SDPA`: the batch runs packed
+    (no pad token goes through the model) and attends to the batch-1 prefix directly.
+    Otherwise `cache` is a working cache seated on the expanded prefix (and holding the
+    call's earlier tokens, if any), and this step's tokens are appended to it.
+    With `call`, the step sees the call's earlier tokens through `step.see_past` and
+    becomes part of them when it returns.
+    """
+    if call is not None and call.length and step.see_past is None:
+        raise ValueError("the call has earlier tokens: the step must say which it sees (see_past)")
+    if cache is None:
+        masks = _masks(model, prefix, step, call, shared=True)
+        columns = torch.arange(step.ids.shape[1])
+        packing = Packing.of([columns[r] for r in step.real], step.ids.shape[1])
+        packed = model.base_model(input_ids=packing.pack(step.ids), attention_mask=masks,
+                                  position_ids=packing.pack(step.positions), use_cache=False,
+                                  **prefix_kwargs(prefix.layers, packing, call)).last_hidden_state
+        hidden = packing.unpack(packed)
+    else:
+        if step.causal and not (call is not None and call.length):
+            # 2-D, any attention implementation; it must span cached + new tokens
+            masks = torch.cat([torch.ones(step.ids.shape[0], cache.get_seq_length(), dtype=torch.long),
+                               step.real.long()], dim=1)
+        else:
+            masks = _masks(model, prefix, step, call, shared=False)
+        hidden = model.base_model(input_ids=step.ids, attention_mask=masks, position_ids=step.positions,
+                                  cache=cache, use_cache=True).last_hidden_state
+    if call is not None:
+        call.commit(step)
+    return hidden
+
+
+def _masks(model, prefix: PrefixCache, step: Step, call: CallState | None, *, shared: bool):
+    """Boolean masks per layer kind (see the module docstring); a single tensor when the
+    model has one kind. Pad columns attend only to themselves (never an empty row, which
+    would put NaNs into the hidden states). The prefix is visible to all, limited by the
+    window on sliding layers, by position."""
+    batch, q = step.ids.shape
+    positions = step.positions
+    diag = torch.arange(q)
+    pad_rows = ~step.real
+    new = step.see_new.clone()
+    new[:, diag, diag] |= pad_rows
+    has_past = call is not None and call.length > 0
+    prefix_len = prefix.length
+
+    def build(window: int | None, kept: int) -> torch.Tensor:
+        parts = []
+        if window is not None or not shared:
+            visible = torch.ones(batch, q, kept, dtype=torch.bool)
+            if window is not None:
+                key_pos = torch.arange(prefix_len - kept, prefix_len)
+                visible &= (positions[:, :, None] - key_pos[None, None]) < window
+            parts.append(visible)
+        if has_past:
+            visible = step.see_past & call.real[:, None, :]
+            if window is not None:
+                visible = visible & ((positions[:, :, None] - call.positions[:, None, :]) < window)
+            parts.append(visible)
+        visible = new
+        if window is not None:
+            visible = new & ((positions[:, :, None] - positions[:, None, :]) < window)
+            visible[:, diag, diag] |= pad_rows
+        parts.append(visible)
+        mask = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))[:, None]
+        return mask if shared else _as_attention_mask(model, mask)
+
+    kinds: dict[str, torch.Tensor] = {}
+    layer_types = getattr(model.config, "layer_types", None)
+    for i, state in enumerate(prefix.layers):
+        kind = layer_types[i] if layer_types else ("sliding_attention" if state.sliding_window else "full_attention")
+        if kind not in kinds:
+            kinds[kind] = build(state.sliding_window, state.kept)
+    if len(kinds) == 1:
+        return next(iter(kinds.values()))
+    return kinds
+
+
+def _as_attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
+    if model.config._attn_implementation in ("sdpa", SHARED_SDPA):
+        return mask
+    if model.config._attn_implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    raise ValueError(f"sequence scoring needs sdpa or eager attention, not "
+                     f"{model.config._attn_implementation!r}; load the model with attn_implementation='sdpa'")
