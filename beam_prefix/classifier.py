@@ -27,6 +27,7 @@ import torch
 
 from beam_prefix.attention import enable_shared_prefix
 from beam_prefix.errors import RowError, VerificationError
+from beam_prefix.label_search import search_labels
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache
 from beam_prefix.prompt import PROBE_TEXTS, EncodedText, PromptLayout
@@ -53,10 +54,12 @@ class Prediction:
         score: its probability.
         scores: probability of every label (sums to 1), in task label order.
         logprobs: the same as natural logs, computed in log space (no underflow).
-        suffix_tokens: tokens computed for this row (its suffix, plus the shared label
-            trie in sequence mode); the prefix tokens were reused from the cache.
+        suffix_tokens: tokens computed for this row (its suffix, plus its label tokens);
+            the prefix tokens were reused from the cache.
         text_tokens: tokens of the row's text before any truncation.
         truncated: whether the text was cut to the token budget.
+        label_tokens: label-trie tokens run for this row (sequence mode: the whole trie
+            with exhaustive search, the nodes it expanded with pruned search; else 0).
     """
 
     label: str
@@ -66,6 +69,11 @@ class Prediction:
     logprobs: dict[str, float] = dataclasses.field(default_factory=dict, repr=False)
     text_tokens: int = 0
     truncated: bool = False
+    label_tokens: int = 0
+
+    def top(self, k: int) -> list[tuple[str, float]]:
+        """The `k` most probable labels with their probabilities, best first."""
+        return sorted(self.scores.items(), key=lambda item: -item[1])[:k]
 
 
 class PrefixClassifier:
@@ -87,13 +95,23 @@ class PrefixClassifier:
             ``"expanded"``: a per-instance `DynamicCache` seated on the batch-expanded
             prefix and cropped back after every batch (any attention implementation).
             ``"auto"`` (default): shared where the model supports it, else expanded.
+        label_search: sequence scoring's search over the label trie, ``"pruned"`` or
+            ``"exhaustive"`` (default: the task's `label_search`). Pruned search is exact to
+            `label_tolerance`: a label it never expands gets its probability from the bound
+            (see `beam_prefix.label_search`); every probability is within the tolerance
+            of exhaustive scoring.
+        label_tolerance: pruned search's stopping tolerance (default: the task's).
     """
 
     def __init__(self, *, task: TaskSpec, loaded: LoadedModel, batch_size: int = 16,
                  max_batch_tokens: int = 8192, verify: bool = True, atol: float | None = None,
-                 prefix_attention: str = "auto", _shared: "PrefixClassifier | None" = None):
+                 prefix_attention: str = "auto", label_search: str | None = None,
+                 label_tolerance: float | None = None, _shared: "PrefixClassifier | None" = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if label_search is not None or label_tolerance is not None:  # validated like the task file
+            task = task.replace(**{k: v for k, v in (("label_search", label_search),
+                                                       ("label_tolerance", label_tolerance)) if v is not None})
         if prefix_attention not in ("auto", "shared", "expanded"):
             raise ValueError(f"prefix_attention must be 'auto', 'shared' or 'expanded', got {prefix_attention!r}")
         self.task = task
@@ -110,6 +128,7 @@ class PrefixClassifier:
             self.prefix_cache, self._calibration = _shared.prefix_cache, _shared._calibration
             self.fingerprint, self.atol = _shared.fingerprint, _shared.atol
             self.prefix_attention = _shared.prefix_attention
+            self.label_search = _shared.label_search
             self._working = self._new_working()
             return
         dtype = next(self.model.parameters()).dtype
@@ -121,14 +140,16 @@ class PrefixClassifier:
         if self.mode == "first_token" and len(set(self._first_ids.tolist())) < len(task.labels):
             raise ValueError(f"scoring='first_token' but labels share first tokens; use 'sequence' or 'auto'")
         self.trie = LabelTrie.build(self.layout.label_ids) if self.mode == "sequence" else None
+        self.label_search = task.label_search if self.mode == "sequence" else "exhaustive"
         start = time.perf_counter()
         self.prefix_cache = PrefixCache(self.model, self.layout.prefix_ids)
         self.prefix_attention = self._choose_attention(prefix_attention)
         self._working = self._new_working()
         self.fingerprint = self.layout.fingerprint(self.model_id)
         self._calibration: torch.Tensor | None = None
-        _LOGGER.info("prefix cache: %s; %s scoring; %s prefix attention; built in %.2f s",
-                     self.layout.describe(), self.mode, self.prefix_attention, time.perf_counter() - start)
+        _LOGGER.info("prefix cache: %s; %s scoring (%s label search); %s prefix attention; built in %.2f s",
+                     self.layout.describe(), self.mode, self.label_search, self.prefix_attention,
+                     time.perf_counter() - start)
         if task.calibration:
             self._calibration = self._calibration_vector(task.calibration)
         if verify:
@@ -188,7 +209,8 @@ class PrefixClassifier:
 
     @property
     def label_tokens(self) -> int:
-        """Label-trie tokens computed per row in sequence mode (0 in first-token mode)."""
+        """Tokens of the label trie: what exhaustive search runs per row in sequence mode,
+        and the most that pruned search can (0 in first-token mode)."""
         return self.trie.size if self.trie is not None else 0
 
     # -- classification -------------------------------------------------------------------
@@ -205,8 +227,14 @@ class PrefixClassifier:
     def classify_encoded(self, encoded: Sequence[EncodedText]) -> list[Prediction]:
         """Classify already encoded texts (see `encode`), in batches sorted by length."""
         raw = self._raw_cached(encoded)
-        return [self._prediction(r, e, len(e.suffix_ids) + self.label_tokens)
-                for r, e in zip(raw, encoded)]
+        return [self._prediction(r, e, len(e.suffix_ids) + n, label_tokens=n) for (r, n), e in zip(raw, encoded)]
+
+    def classify_exhaustive(self, texts: Sequence[str]) -> list[Prediction]:
+        """Classify over the cached prefix with the whole label trie (the pruned search's
+        reference; the same as `classify` in first-token mode or with exhaustive search)."""
+        encoded = [self.encode(t) for t in texts]
+        raw = self._raw_cached(encoded, search="exhaustive")
+        return [self._prediction(r, e, len(e.suffix_ids) + n, label_tokens=n) for (r, n), e in zip(raw, encoded)]
 
     def classify_full(self, texts: Sequence[str]) -> list[Prediction]:
         """Reference: every text's whole prompt re-encoded and run with no prefix cache."""
@@ -214,11 +242,12 @@ class PrefixClassifier:
         for text in texts:
             ids, enc = self.layout.encode_full(text)
             raw = score_full(self.model, ids, self.mode, self._first_ids, self.layout.label_ids)
-            out.append(self._prediction(raw, enc, len(ids)))
+            out.append(self._prediction(raw, enc, len(ids), label_tokens=self.label_tokens))
         return out
 
     def verify(self, texts: Iterable[str] = VERIFY_PROBES) -> float:
-        """Check cached scoring against full re-encoding on `texts`.
+        """Check cached scoring against full re-encoding on `texts`, and with pruned label
+        search also against cached exhaustive scoring.
 
         Returns:
             the largest probability difference seen.
@@ -227,36 +256,45 @@ class PrefixClassifier:
         """
         texts = list(texts)
         cached = self.classify(texts)
-        full = self.classify_full(texts)
-        bad, worst = [], 0.0
-        for text, c, f in zip(texts, cached, full):
-            diff = max(abs(c.scores[k] - f.scores[k]) for k in f.scores)
+        references = [("full re-encoding", self.classify_full(texts))]
+        if self.label_search == "pruned":
+            references.append(("exhaustive label search", self.classify_exhaustive(texts)))
+        worst = 0.0
+        for name, reference in references:
+            bad, diff = _disagreements(texts, cached, reference, self.atol)
             worst = max(worst, diff)
-            ranked = sorted(f.scores.values(), reverse=True)
-            margin = ranked[0] - ranked[1]
-            if diff > self.atol or (c.label != f.label and margin > self.atol):
-                bad.append(text)
-        if bad:
-            raise VerificationError(
-                f"cached scoring disagrees with full re-encoding on {len(bad)} of {len(texts)} "
-                f"texts (max probability difference {worst:.2e}, tolerance {self.atol:.0e}): "
-                f"{[t[:60] for t in bad]}", bad)
-        _LOGGER.info("verify: cached == full on %d texts (max diff %.1e)", len(texts), worst)
+            if bad:
+                raise VerificationError(
+                    f"cached scoring disagrees with {name} on {len(bad)} of {len(texts)} "
+                    f"texts (max probability difference {diff:.2e}, tolerance {self.atol:.0e}): "
+                    f"{[t[:60] for t in bad]}", bad)
+        _LOGGER.info("verify: cached (%s label search) == %s on %d texts (max diff %.1e)", self.label_search,
+                     " and ".join(name for name, _ in references), len(texts), worst)
         return worst
 
     # -- internals ------------------------------------------------------------------------
 
-    def _raw_cached(self, encoded: Sequence[EncodedText]) -> list[torch.Tensor]:
+    def _raw_cached(self, encoded: Sequence[EncodedText], *,
+                    search: str | None = None) -> list[tuple[torch.Tensor, int]]:
+        """Raw label scores and label tokens run, per row, in input order."""
+        search = search or self.label_search
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].suffix_ids))
-        out: list[torch.Tensor | None] = [None] * len(encoded)
+        out: list[tuple[torch.Tensor, int] | None] = [None] * len(encoded)
         for batch in self._batches(order, encoded):
             suffixes = [encoded[i].suffix_ids for i in batch]
             # only a working cache is mutable: shared-prefix calls may run in parallel
             with self._lock if self._working is not None else contextlib.nullcontext():
-                raw = score_cached(self.model, self.head, self.prefix_cache, suffixes, self.mode,
-                                   self._first_ids, self.trie, working=self._working)
-            for i, r in zip(batch, raw):
-                out[i] = r
+                if search == "pruned" and self.trie is not None:
+                    raw, runs = search_labels(self.model, self.head, self.prefix_cache, suffixes, self.trie,
+                                              tolerance=self.task.label_tolerance,
+                                              calibration=self._calibration, working=self._working)
+                    runs = runs.tolist()
+                else:
+                    raw = score_cached(self.model, self.head, self.prefix_cache, suffixes, self.mode,
+                                       self._first_ids, self.trie, working=self._working)
+                    runs = [self.label_tokens] * len(batch)
+            for i, r, n in zip(batch, raw, runs):
+                out[i] = (r, n)
         return out
 
     def _batches(self, order: list[int], encoded: Sequence[EncodedText]):
@@ -276,22 +314,39 @@ class PrefixClassifier:
             logp = torch.log_softmax(logp - self._calibration, dim=-1)
         return logp
 
-    def _prediction(self, raw: torch.Tensor, enc: EncodedText, computed: int) -> Prediction:
+    def _prediction(self, raw: torch.Tensor, enc: EncodedText, computed: int, *, label_tokens: int) -> Prediction:
         logp = self._normalise(raw)
         probs, logs = logp.exp().tolist(), logp.tolist()
         names = self.task.label_names
         best = max(range(len(names)), key=logs.__getitem__)
         return Prediction(label=names[best], score=probs[best], scores=dict(zip(names, probs)),
                           suffix_tokens=computed, logprobs=dict(zip(names, logs)),
-                          text_tokens=enc.text_tokens, truncated=enc.truncated)
+                          text_tokens=enc.text_tokens, truncated=enc.truncated, label_tokens=label_tokens)
 
     def _calibration_vector(self, texts: Sequence[str]) -> torch.Tensor:
         """Mean label log-probabilities of content-free inputs, through the same cache."""
         # content-free texts (even the empty one) bypass row validation, not the boundary check
         encoded = [EncodedText(self.layout.suffix_for(t.strip()), t.strip(), 0, False) for t in texts]
-        raw = self._raw_cached(encoded)
-        logp = torch.stack([torch.log_softmax(r.float(), dim=-1) for r in raw])
+        # exhaustive: every label's own log-probability, even the far tail, which a pruned
+        # search would only bound (and an offset from a bound would misweigh that label)
+        raw = self._raw_cached(encoded, search="exhaustive")
+        logp = torch.stack([torch.log_softmax(r.float(), dim=-1) for r, _ in raw])
         vector = logp.mean(0)
         _LOGGER.info("calibration over %d content-free texts: %s", len(texts),
                      {n: round(math.exp(v), 3) for n, v in zip(self.task.label_names, vector.tolist())})
         return vector
+
+
+def _disagreements(texts, cached: Sequence[Prediction], reference: Sequence[Prediction],
+                   atol: float) -> tuple[list[str], float]:
+    """Texts whose scores differ by more than `atol` or whose label differs (unless the
+    reference's top two are within `atol`: a tie), and the largest difference."""
+    bad, worst = [], 0.0
+    for text, c, f in zip(texts, cached, reference):
+        diff = max(abs(c.scores[k] - f.scores[k]) for k in f.scores)
+        worst = max(worst, diff)
+        ranked = sorted(f.scores.values(), reverse=True)
+        margin = ranked[0] - ranked[1]
+        if diff > atol or (c.label != f.label and margin > atol):
+            bad.append(text)
+    return bad, worst

@@ -131,7 +131,7 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
                                   **prefix_kwargs(prefix.layers, packing, call)).last_hidden_state
         hidden = packing.unpack(packed)
     else:
-        if step.causal and not (call is not None and call.length):
+        if step.causal and call is None:
             # 2-D, any attention implementation; it must span cached + new tokens
             masks = torch.cat([torch.ones(step.ids.shape[0], cache.get_seq_length(), dtype=torch.long),
                                step.real.long()], dim=1)

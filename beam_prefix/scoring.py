@@ -101,6 +101,13 @@ class LabelTrie:
         edge_token: ``[E]`` the token each edge predicts.
         label_edges: ``[K, L]`` edge indices of each label's path, padded with 0.
         label_mask: ``[K, L]`` which entries of `label_edges` are real.
+        node_edge: ``[T]`` the edge leading into each internal node.
+        children: ``[1 + T, C]`` edges leaving the root (row 0) and each internal node
+            (row 1 + m), padded with 0; `children_mask` says which are real.
+        label_final: ``[K]`` the last edge of each label's path.
+        label_nodes: ``[K, L]`` internal nodes on each label's path, root side first,
+            padded with T (a column that callers treat as always expanded).
+        node_labels: ``[T, K]`` bool, label k passes through node m.
     """
 
     tokens: torch.Tensor
@@ -110,6 +117,12 @@ class LabelTrie:
     edge_token: torch.Tensor
     label_edges: torch.Tensor
     label_mask: torch.Tensor
+    node_edge: torch.Tensor
+    children: torch.Tensor
+    children_mask: torch.Tensor
+    label_final: torch.Tensor
+    label_nodes: torch.Tensor
+    node_labels: torch.Tensor
 
     @classmethod
     def build(cls, label_ids: Sequence[Sequence[int]]) -> "LabelTrie":
@@ -140,9 +153,24 @@ class LabelTrie:
         longest = max(len(p) for p in paths)
         label_edges = torch.zeros(len(paths), longest, dtype=torch.long)
         label_mask = torch.zeros(len(paths), longest, dtype=torch.bool)
-        for k, path in enumerate(paths):
+        label_nodes = torch.full((len(paths), longest), t, dtype=torch.long)
+        node_labels = torch.zeros(t, len(paths), dtype=torch.bool)
+        for k, (ids, path) in enumerate(zip(label_ids, paths)):
             label_edges[k, :len(path)] = torch.tensor(path)
             label_mask[k, :len(path)] = True
+            for j in range(len(ids) - 1):
+                label_nodes[k, j] = node_of[tuple(ids[:j + 1])]
+                node_labels[label_nodes[k, j], k] = True
+        node_edge = torch.tensor([edges[key] for key in node_of], dtype=torch.long)  # dicts keep order
+        kids: list[list[int]] = [[] for _ in range(1 + t)]
+        for e, parent in enumerate(edge_parent):
+            kids[parent].append(e)
+        width = max(len(k) for k in kids)
+        children = torch.zeros(1 + t, width, dtype=torch.long)
+        children_mask = torch.zeros(1 + t, width, dtype=torch.bool)
+        for p, k in enumerate(kids):
+            children[p, :len(k)] = torch.tensor(k, dtype=torch.long)
+            children_mask[p, :len(k)] = True
         return cls(
             tokens=torch.tensor([n[0] for n in nodes], dtype=torch.long),
             depth=torch.tensor([n[1] for n in nodes], dtype=torch.long),
@@ -151,6 +179,12 @@ class LabelTrie:
             edge_token=torch.tensor(edge_token, dtype=torch.long),
             label_edges=label_edges,
             label_mask=label_mask,
+            node_edge=node_edge,
+            children=children,
+            children_mask=children_mask,
+            label_final=torch.tensor([p[-1] for p in paths], dtype=torch.long),
+            label_nodes=label_nodes,
+            node_labels=node_labels,
         )
 
     @property

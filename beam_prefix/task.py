@@ -20,6 +20,8 @@ Task file format::
     max_text_tokens: 256         # optional token budget for one row's text
     overflow: truncate           # truncate (recorded) or reject
     scoring: auto                # auto, first_token or sequence
+    label_search: pruned         # sequence scoring: pruned (exact to label_tolerance) or exhaustive
+    label_tolerance: 1.0e-5      # pruned search stops when unexplored mass < this x resolved mass
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ __all__ = ["Label", "Example", "TaskSpec", "DEFAULT_CALIBRATION_TEXTS"]
 DEFAULT_CALIBRATION_TEXTS = ("N/A", "", "[MASK]")
 _OVERFLOW_POLICIES = ("truncate", "reject")
 _SCORING_MODES = ("auto", "first_token", "sequence")
+LABEL_SEARCHES = ("pruned", "exhaustive")
 _KNOWN_KEYS = {
     "name", "instructions", "labels", "examples", "suffix_template", "model",
-    "calibration", "max_text_tokens", "overflow", "scoring",
+    "calibration", "max_text_tokens", "overflow", "scoring", "label_search", "label_tolerance",
 }
 
 
@@ -93,6 +96,10 @@ class TaskSpec:
             prediction) or `reject` (the row fails with reason `too_long`).
         scoring: `first_token`, `sequence`, or `auto` (first token when the labels'
             first tokens are distinct, else full label sequence).
+        label_search: in sequence scoring, `pruned` (best-first over the label trie,
+            `beam_prefix.label_search`) or `exhaustive` (every trie token for every row).
+        label_tolerance: pruned search stops for a row when the probability mass it has
+            not explored is below this fraction of the mass of the labels it resolved.
     """
 
     instructions: str
@@ -105,6 +112,8 @@ class TaskSpec:
     max_text_tokens: int = 256
     overflow: str = "truncate"
     scoring: str = "auto"
+    label_search: str = "pruned"
+    label_tolerance: float = 1e-5
 
     def __post_init__(self):
         labels = tuple(_coerce_label(label) for label in _as_sequence(self.labels, "labels"))
@@ -155,6 +164,18 @@ class TaskSpec:
             raise TaskSpecError(f"overflow: expected one of {_OVERFLOW_POLICIES}, got {self.overflow!r}")
         if self.scoring not in _SCORING_MODES:
             raise TaskSpecError(f"scoring: expected one of {_SCORING_MODES}, got {self.scoring!r}")
+        if self.label_search not in LABEL_SEARCHES:
+            raise TaskSpecError(f"label_search: expected one of {LABEL_SEARCHES}, got {self.label_search!r}")
+        tol = self.label_tolerance
+        if isinstance(tol, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
+            try:
+                tol = float(tol)
+            except ValueError:
+                pass
+            else:
+                object.__setattr__(self, "label_tolerance", tol)
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
+            raise TaskSpecError(f"label_tolerance: expected a number between 0 and 1 (exclusive), got {tol!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise TaskSpecError(f"model: expected a string, got {self.model!r}")
 
