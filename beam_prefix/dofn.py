@@ -30,12 +30,17 @@ from beam_prefix.metrics import ClassifyMetrics, ProgressLog
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.task import TaskSpec
 
-__all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "FAILED_TAG", "LABELED_TAG", "prob_column"]
+__all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "FAILED_TAG", "LABELED_TAG", "prob_column",
+           "TOP_K_COLUMN", "PROB_COLUMNS_MAX_LABELS"]
 
 _LOGGER = logging.getLogger(__name__)
 
 LABELED_TAG = "labeled"
 FAILED_TAG = "failed"
+# the optional list<struct{label, score}> column of the `top_k` best labels
+TOP_K_COLUMN = "top_k"
+# per-label `prob_*` columns are on by default for tasks with at most this many labels
+PROB_COLUMNS_MAX_LABELS = 32
 
 # One handle per process: every DoFn that refers to it (any step, any thread) shares
 # the models acquired through it, keyed by tag (model, dtype).
@@ -61,6 +66,10 @@ class ClassifyConfig:
         batch_size: rows per forward pass (on sdpa models rows run packed, so rows of
             different lengths share a pass without padding).
         verify: run the cached-vs-full self-check when the prefix cache is built.
+        top_k: add a `top_k` column: the `top_k` most probable labels, best first, as
+            ``[{"label": str, "score": float}, ...]`` (None or 0: no such column).
+        prob_columns: one ``prob_<label>`` column per label; None (default): on for
+            tasks of at most `PROB_COLUMNS_MAX_LABELS` labels.
     """
 
     task: TaskSpec
@@ -71,13 +80,29 @@ class ClassifyConfig:
     threads: int | None = None
     batch_size: int = 16
     verify: bool = True
+    top_k: int | None = None
+    prob_columns: bool | None = None
 
     def __post_init__(self):
+        if self.prob_columns is None:
+            object.__setattr__(self, "prob_columns", len(self.task.labels) <= PROB_COLUMNS_MAX_LABELS)
         columns = [prob_column(n) for n in self.task.label_names]
-        if len(set(columns)) != len(columns):
+        if self.prob_columns and len(set(columns)) != len(columns):
             raise ValueError(f"labels {self.task.label_names} map to clashing column names {columns}")
         if not self.text_column:
             raise ValueError("text_column must be a column name")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 0):
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not self.top_k:
+            object.__setattr__(self, "top_k", None)
+
+    @property
+    def output_columns(self) -> list[str]:
+        """The columns classification adds to each labelled row, in order."""
+        probs = [prob_column(n) for n in self.task.label_names] if self.prob_columns else []
+        top = [TOP_K_COLUMN] if self.top_k else []
+        return ["label", "score", *probs, *top, "truncated", "prompt_fingerprint", "model"]
 
     @property
     def model_tag(self) -> str:
@@ -127,7 +152,8 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
     """Classify a batch (list) of dict rows; main output `labeled`, tagged output `failed`.
 
     Labelled rows are the input columns plus ``label``, ``score``, one ``prob_<label>``
-    column per label, ``truncated``, ``prompt_fingerprint`` and ``model``. Failed rows are
+    column per label (`ClassifyConfig.prob_columns`), ``top_k`` (with
+    `ClassifyConfig.top_k`), ``truncated``, ``prompt_fingerprint`` and ``model``. Failed rows are
     ``{"row": <input row>, "id": ..., "reason": ..., "error": ..., "stage": ...}``.
     """
 
@@ -142,7 +168,7 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         self._clf = holder.classifier_for(self.config)
         self._metrics = ClassifyMetrics()
         self._progress = holder.progress_for(f"{self.step_name}[{self.config.task.name}]")
-        self._prob_columns = [prob_column(n) for n in self.config.task.label_names]
+        self._prob_columns = [prob_column(n) for n in self.config.task.label_names] if self.config.prob_columns else []
 
     def process(self, batch: Iterable[Any]):
         rows = [_as_dict(r, self.config.text_column) for r in batch]
@@ -178,6 +204,7 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
                 continue
             done += 1
             self._metrics.suffix_tokens_computed.inc(pred.suffix_tokens)
+            self._metrics.label_tokens_computed.inc(pred.label_tokens)
             self._metrics.prefix_tokens_reused.inc(self._clf.prefix_length)
             if pred.truncated:
                 self._metrics.rows_truncated.inc()
@@ -201,6 +228,8 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         out["score"] = pred.score
         for column, name in zip(self._prob_columns, self.config.task.label_names):
             out[column] = pred.scores[name]
+        if self.config.top_k:
+            out[TOP_K_COLUMN] = [{"label": label, "score": score} for label, score in pred.top(self.config.top_k)]
         out["truncated"] = pred.truncated
         out["prompt_fingerprint"] = self._clf.fingerprint
         out["model"] = self._clf.model_id

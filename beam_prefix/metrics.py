@@ -25,7 +25,10 @@ class ClassifyMetrics:
         self.rows_failed = Metrics.counter(NAMESPACE, "rows_failed")
         self.rows_truncated = Metrics.counter(NAMESPACE, "rows_truncated")
         self.prefix_tokens_reused = Metrics.counter(NAMESPACE, "prefix_tokens_reused")
+        # every token run per row: the suffix and its label tokens
         self.suffix_tokens_computed = Metrics.counter(NAMESPACE, "suffix_tokens_computed")
+        # of those, label-trie tokens (what pruned label search saves shows here)
+        self.label_tokens_computed = Metrics.counter(NAMESPACE, "label_tokens_computed")
         self.batch_size = Metrics.distribution(NAMESPACE, "batch_size_rows")
         self.batch_latency = Metrics.distribution(NAMESPACE, "batch_latency_micros")
         self.model_retries = Metrics.counter(NAMESPACE, "batches_retried_row_by_row")

@@ -1,7 +1,7 @@
 """`ClassifyText`: the composite transform to drop into an existing Beam pipeline.
 
     result = rows | ClassifyText(task="pipelines/tasks/support_tickets.yaml", text_column="text")
-    result.labeled  # input columns + label, score, prob_<label>..., truncated, prompt_fingerprint, model
+    result.labeled  # input columns + label, score, prob_<label>..., [top_k], truncated, prompt_fingerprint, model
     result.failed   # {"row", "id", "reason", "error", "stage"}
 
 Rows are dicts (or `beam.Row`s, or bare strings); they are batched with
@@ -38,8 +38,13 @@ class ClassifyText(beam.PTransform):
         min_batch_size, max_batch_size: `beam.BatchElements` bounds (max defaults to
             max(64, 4 x batch_size), min to min(8, max_batch_size)).
         batch_size: rows per forward pass inside a Beam batch.
-        max_text_tokens, overflow, calibration: override the task's settings.
+        max_text_tokens, overflow, calibration, label_search, label_tolerance: override
+            the task's settings (`label_search`: ``pruned`` or ``exhaustive``).
         verify: run the cached-vs-full self-check on each worker at start-up.
+        top_k: add a ``top_k`` column, the `top_k` best labels as a list of
+            ``{"label", "score"}`` records, best first.
+        prob_columns: one ``prob_<label>`` column per label (default: for tasks of at
+            most 32 labels).
 
     Returns:
         a `DoOutputsTuple` with ``labeled`` and ``failed`` PCollections.
@@ -50,12 +55,15 @@ class ClassifyText(beam.PTransform):
                  threads: int | None = None, min_batch_size: int | None = None,
                  max_batch_size: int | None = None,
                  batch_size: int = 16, max_text_tokens: int | None = None, overflow: str | None = None,
-                 calibration=None, verify: bool = True, label: str | None = None):
+                 calibration=None, verify: bool = True, label_search: str | None = None,
+                 label_tolerance: float | None = None, top_k: int | None = None,
+                 prob_columns: bool | None = None, label: str | None = None):
         super().__init__(label)
         if not isinstance(task, TaskSpec):
             task = TaskSpec.from_yaml(task)
         changes = {k: v for k, v in (("max_text_tokens", max_text_tokens), ("overflow", overflow),
-                                     ("calibration", calibration)) if v is not None}
+                                     ("calibration", calibration), ("label_search", label_search),
+                                     ("label_tolerance", label_tolerance)) if v is not None}
         if changes:
             task = task.replace(**changes)
         if max_batch_size is None:
@@ -69,7 +77,8 @@ class ClassifyText(beam.PTransform):
             raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
         self._config = ClassifyConfig(task=task, model=model or task.model or EMBEDDED,
                                       text_column=text_column, id_column=id_column, dtype=dtype,
-                                      threads=threads, batch_size=batch_size, verify=verify)
+                                      threads=threads, batch_size=batch_size, verify=verify,
+                                      top_k=top_k, prob_columns=prob_columns)
         self._min_batch_size = min_batch_size
         self._max_batch_size = max_batch_size
 

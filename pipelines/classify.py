@@ -67,7 +67,7 @@ def build(p: beam.Pipeline, options: PipelineOptions) -> Plan:
     task = classify.config.task
     schema = input_schema(options)
     kept = kept_columns(options, schema)
-    out_schema = labeled_schema(task, kept)
+    out_schema = labeled_schema(classify.config, kept)
     labeled_to, failed_to = destinations(options)
 
     rows, unparseable = read_rows(p, options)

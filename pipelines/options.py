@@ -94,6 +94,16 @@ class ClassifyOptions(PipelineOptions):
                            help="Contextual calibration on or off (default: the task's).")
         model.add_argument("--verify", default="true", choices=("true", "false"),
                            help="Self-check cached against full re-encoding on each worker at start-up.")
+        model.add_argument("--label_search", default=None, choices=("pruned", "exhaustive"),
+                           help="Sequence-scored tasks: pruned (best-first over the label trie, exact to the "
+                                "task's label_tolerance) or exhaustive (every label token for every row). "
+                                "Default: the task's (pruned).")
+        model.add_argument("--top_k", type=int, default=None,
+                           help="Add a top_k column: the N most probable labels, best first, as a list of "
+                                "{label, score} records (Parquet list<struct>, BigQuery REPEATED RECORD).")
+        model.add_argument("--prob_columns", default=None, choices=("true", "false"),
+                           help="One prob_<label> column per label (default: true for tasks of at most 32 "
+                                "labels, else false).")
 
         bq = parser.add_argument_group("BigQuery emulator (tests, local development)")
         bq.add_argument("--bigquery_endpoint", default=None,
@@ -116,7 +126,7 @@ def validate(options: PipelineOptions) -> None:
     sources = [f for f in ("input", "input_table", "input_query") if getattr(o, f)]
     if len(sources) > 1:
         raise ValueError(f"give one input, not {', '.join('--' + s for s in sources)}")
-    for flag in ("batch_size", "max_batch_size", "min_batch_size", "torch_threads", "max_text_tokens"):
+    for flag in ("batch_size", "max_batch_size", "min_batch_size", "torch_threads", "max_text_tokens", "top_k"):
         value = getattr(o, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
@@ -148,4 +158,5 @@ def classify_transform(options: PipelineOptions) -> ClassifyText:
                         dtype=o.dtype, threads=o.torch_threads, min_batch_size=o.min_batch_size,
                         max_batch_size=o.max_batch_size, batch_size=o.batch_size,
                         max_text_tokens=o.max_text_tokens, overflow=o.overflow, calibration=calibration,
-                        verify=o.verify == "true")
+                        verify=o.verify == "true", label_search=o.label_search, top_k=o.top_k,
+                        prob_columns=None if o.prob_columns is None else o.prob_columns == "true")

@@ -1,8 +1,9 @@
 """Output schemas and writers: Parquet, JSONL or BigQuery, for labelled and failed rows.
 
 Labelled rows: the kept input columns (their input types where the input has a schema,
-else strings), then ``label``, ``score``, one ``prob_<label>`` per label, ``truncated``,
-``prompt_fingerprint`` and ``model``. Failed rows: ``id``, ``reason``, ``error``,
+else strings), then ``label``, ``score``, one ``prob_<label>`` per label (``--prob_columns``),
+``top_k`` (``--top_k N``: a list of ``{label, score}`` structs, REPEATED RECORD in
+BigQuery), ``truncated``, ``prompt_fingerprint`` and ``model``. Failed rows: ``id``, ``reason``, ``error``,
 ``stage`` and ``row`` (the whole input row as JSON text). One Arrow schema describes each
 output; the BigQuery schema is derived from it, so every sink writes the same columns.
 
@@ -21,8 +22,7 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.dofn import FAILED_TAG, prob_column
-from beam_prefix.task import TaskSpec
+from beam_prefix.dofn import FAILED_TAG, TOP_K_COLUMN, ClassifyConfig
 from pipelines.options import ClassifyOptions
 from pipelines.sources import failed_record
 from pipelines.summary import GOLD_KEY
@@ -70,19 +70,22 @@ def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.
         if missing:
             raise ValueError(f"--columns_to_keep/--id_column/--text_column name columns the input lacks: "
                              f"{missing} (input columns: {schema.names})")
-    reserved = {"label", "score", "truncated", "prompt_fingerprint", "model"}
+    reserved = {"label", "score", "truncated", "prompt_fingerprint", "model", TOP_K_COLUMN}
     clash = [n for n in names if n in reserved or n.startswith("prob_")]
     if clash:
         raise ValueError(f"kept columns {clash} clash with output columns; leave them out of --columns_to_keep")
     return [schema.field(n) if schema is not None else pa.field(n, pa.string()) for n in dict.fromkeys(names)]
 
 
-def labeled_schema(task: TaskSpec, kept: list[pa.Field]) -> pa.Schema:
-    """Arrow schema of the labelled output."""
-    return pa.schema(list(kept) + [pa.field("label", pa.string()), pa.field("score", pa.float64())]
-                     + [pa.field(prob_column(n), pa.float64()) for n in task.label_names]
-                     + [pa.field("truncated", pa.bool_()), pa.field("prompt_fingerprint", pa.string()),
-                        pa.field("model", pa.string())])
+TOP_K_TYPE = pa.list_(pa.struct([pa.field("label", pa.string()), pa.field("score", pa.float64())]))
+_ADDED_TYPES = {"label": pa.string(), "score": pa.float64(), TOP_K_COLUMN: TOP_K_TYPE, "truncated": pa.bool_(),
+                "prompt_fingerprint": pa.string(), "model": pa.string()}
+
+
+def labeled_schema(config: ClassifyConfig, kept: list[pa.Field]) -> pa.Schema:
+    """Arrow schema of the labelled output: the kept columns, then what `config` adds."""
+    return pa.schema(list(kept) + [pa.field(name, _ADDED_TYPES.get(name, pa.float64()))  # prob_*: float64
+                                   for name in config.output_columns])
 
 
 class ToOutputRow(beam.DoFn):
@@ -144,11 +147,18 @@ _ARROW_TO_BQ = [
 
 
 def bigquery_schema(schema: pa.Schema) -> dict:
-    """The BigQuery table schema for an Arrow schema (unknown types become STRING)."""
-    def bq_type(t):
-        return next((name for test, name in _ARROW_TO_BQ if test(t)), "STRING")
+    """The BigQuery table schema for an Arrow schema (unknown types become STRING; a list
+    is a REPEATED field, a struct a RECORD)."""
+    return {"fields": [_bigquery_field(f.name, f.type) for f in schema]}
 
-    return {"fields": [{"name": f.name, "type": bq_type(f.type), "mode": "NULLABLE"} for f in schema]}
+
+def _bigquery_field(name: str, type_: pa.DataType, mode: str = "NULLABLE") -> dict:
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        return _bigquery_field(name, type_.value_type, "REPEATED")
+    if pa.types.is_struct(type_):
+        return {"name": name, "type": "RECORD", "mode": mode,
+                "fields": [_bigquery_field(type_.field(i).name, type_.field(i).type) for i in range(type_.num_fields)]}
+    return {"name": name, "type": next((bq for test, bq in _ARROW_TO_BQ if test(type_)), "STRING"), "mode": mode}
 
 
 def _bigquery_value(value):

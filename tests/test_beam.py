@@ -276,3 +276,47 @@ def test_run_inference_in_a_pipeline(tiny_dir):
                   | beam.Map(lambda r: (r.example, r.inference.label)))
         assert_that(labels, equal_to([(t, reference[t].label) for t in TEXTS]))
 
+
+
+@pytest.mark.parametrize("search", ["pruned", "exhaustive"])
+def test_top_k_column_and_label_token_metrics(tiny_dir, tmp_path, search):
+    """A many-label sequence task: `top_k` records instead of per-label columns, and the
+    label tokens actually run counted beside the suffix tokens."""
+    from test_label_search import HARD_LABELS
+
+    model = _unique_model_path(tiny_dir, tmp_path)
+    task = tiny_task(HARD_LABELS, scoring="sequence", max_text_tokens=64)
+    clf = PrefixClassifier(task=task, loaded=load_model(model), verify=False, label_search="exhaustive")
+    reference = dict(zip(TEXTS, clf.classify_full(TEXTS)))
+    labeled, failed, run = _run(model, task, GOOD, top_k=3, prob_columns=False, label_search=search)
+    assert len(labeled) == len(GOOD) and not failed
+    for row in labeled:
+        ref = reference[row["text"]]
+        assert not [c for c in row if c.startswith("prob_")]
+        assert [r["label"] for r in row["top_k"]][0] == row["label"] == ref.label
+        assert len(row["top_k"]) == 3
+        scores = [r["score"] for r in row["top_k"]]
+        assert scores == sorted(scores, reverse=True)
+        for r in row["top_k"]:
+            assert abs(r["score"] - ref.scores[r["label"]]) <= 1e-4
+        assert {r["label"] for r in row["top_k"]} == {n for n, _ in ref.top(3)} or \
+            abs(ref.top(4)[2][1] - ref.top(4)[3][1]) <= 1e-4  # a tie at the cut
+    counters = {m.key.metric.name: m.committed
+                for m in run.metrics().query(MetricsFilter().with_namespace("beam_prefix"))["counters"]}
+    every = clf.label_tokens * len(GOOD)
+    if search == "exhaustive":
+        assert counters["label_tokens_computed"] == every
+    else:
+        assert 0 < counters["label_tokens_computed"] < every
+    assert counters["suffix_tokens_computed"] > counters["label_tokens_computed"]
+
+
+def test_prob_columns_default_follows_the_label_count():
+    many = tiny_task([f"intent_{i}" for i in range(40)], scoring="sequence")
+    assert ClassifyText(task=many).config.prob_columns is False
+    assert ClassifyText(task=many, prob_columns=True).config.prob_columns is True
+    assert ClassifyText(task=_task()).config.prob_columns is True
+    assert ClassifyText(task=_task(), top_k=2).config.output_columns == [
+        "label", "score", *[prob_column(n) for n in LABELS], "top_k", "truncated", "prompt_fingerprint", "model"]
+    with pytest.raises(ValueError, match="top_k"):
+        ClassifyText(task=_task(), top_k=-1)

@@ -118,6 +118,29 @@ def test_table_to_table(emulator, tiny_dir, reference, tmp_path, source, read_me
     assert client.get_table(f"{PROJECT}.{dataset}.tickets").num_rows == len(ROWS)
 
 
+@pytest.mark.parametrize("write_method", ["FILE_LOADS", "STREAMING_INSERTS"])
+def test_top_k_is_a_repeated_record(emulator, tiny_dir, reference, tmp_path, write_method):
+    client = emulator.client()
+    dataset, table = _source_table(client)
+    out = f"{PROJECT}:out_{dataset}.labeled"
+    client.create_dataset(f"out_{dataset}")
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input_table={table}", f"--output_table={out}", f"--model={tiny_dir}",
+        "--id_column=ticket_id", "--verify=false", "--top_k=2", "--prob_columns=false",
+        f"--project={PROJECT}", f"--temp_location={tmp_path}", f"--bigquery_write_method={write_method}",
+        f"--bigquery_endpoint={emulator.rest}", f"--bigquery_storage_endpoint={emulator.grpc}"])
+    labeled = [dict(r) for r in client.list_rows(out.replace(":", "."))]
+    assert summary["labeled"] == len(labeled) > 0
+    field = next(f for f in client.get_table(out.replace(":", ".")).schema if f.name == "top_k")
+    assert (field.field_type, field.mode) == ("RECORD", "REPEATED")
+    assert [(f.name, f.field_type) for f in field.fields] == [("label", "STRING"), ("score", "FLOAT")]
+    for row in labeled:
+        ref = reference[row["text"]]
+        assert not [c for c in row if c.startswith("prob_")]
+        assert [r["label"] for r in row["top_k"]] == [n for n, _ in ref.top(2)]
+        assert all(abs(r["score"] - ref.scores[r["label"]]) <= 1e-4 for r in row["top_k"])
+
+
 def test_storage_write_api_is_passed_to_beam():
     """STORAGE_WRITE_API is a Java cross-language transform (its expansion jar cannot be
     fetched here), so this checks the arguments handed to WriteToBigQuery, not a write."""

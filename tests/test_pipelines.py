@@ -94,6 +94,26 @@ def test_parquet_in_parquet_out_equals_full_reencoding(tiny_dir, tmp_path):
         assert json.load(f)["labeled"] == labeled.num_rows
 
 
+def test_top_k_list_of_structs_in_parquet(tiny_dir, tmp_path):
+    """--top_k writes a list<struct<label, score>> column; --prob_columns false drops the
+    per-label columns."""
+    rows = [{"ticket_id": f"T{i}", "text": t} for i, t in enumerate(TEXTS[:6])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input={tmp_path}/in.parquet", f"--model={tiny_dir}", "--id_column=ticket_id",
+        f"--output={tmp_path}/out/labeled", "--verify=false", "--top_k=2", "--prob_columns=false"])
+    labeled = _read_parquet(f"{tmp_path}/out/labeled-*.parquet")
+    assert summary["labeled"] == len(rows)
+    assert labeled.schema.names == ["ticket_id", "text", "label", "score", "top_k", "truncated",
+                                    "prompt_fingerprint", "model"]
+    assert labeled.schema.field("top_k").type == pa.list_(pa.struct([("label", pa.string()), ("score", pa.float64())]))
+    reference = _reference(tiny_dir, [r["text"] for r in rows])
+    for row in labeled.to_pylist():
+        ref = reference[row["text"]]
+        assert [r["label"] for r in row["top_k"]] == [n for n, _ in ref.top(2)]
+        assert all(abs(r["score"] - ref.scores[r["label"]]) <= 1e-4 for r in row["top_k"])
+
+
 def test_jsonl_in_with_an_unparseable_line_and_jsonl_out(tiny_dir, tmp_path):
     lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(TEXTS[:5])]
     lines.insert(2, "{not json")
