@@ -22,11 +22,11 @@ import torch
 
 from beam_prefix import PrefixClassifier
 
-__all__ = ["full_reencode", "cached_recipe", "batched", "classify_text", "timed"]
+__all__ = ["full_reencode", "cached_recipe", "batched", "batched_predictions", "classify_text", "timed"]
 
 
-def timed(fn: Callable[[], list[str]], rows: int) -> tuple[list[str], float]:
-    """Run `fn` once; return its labels and the milliseconds per row."""
+def timed(fn: Callable[[], list], rows: int) -> tuple[list, float]:
+    """Run `fn` once; return its result and the milliseconds per row."""
     start = time.perf_counter()
     labels = fn()
     return labels, 1e3 * (time.perf_counter() - start) / max(rows, 1)
@@ -83,9 +83,15 @@ def cached_recipe(clf: PrefixClassifier, texts: Sequence[str]) -> list[str]:
 
 def batched(clf: PrefixClassifier, texts: Sequence[str], batch_size: int) -> list[str]:
     """C: the library, `batch_size` rows per forward pass (rows sorted by length)."""
+    return [p.label for p in batched_predictions(clf, texts, batch_size)]
+
+
+def batched_predictions(clf: PrefixClassifier, texts: Sequence[str], batch_size: int, *,
+                        exhaustive: bool = False) -> list:
+    """C's predictions; with `exhaustive`, the whole label trie for every row."""
     fork = clf.fork()
     fork.batch_size = batch_size
-    return [p.label for p in fork.classify(texts)]
+    return fork.classify_exhaustive(texts) if exhaustive else fork.classify(texts)
 
 
 # Labels collected by D's pipeline, by run: the in-memory DirectRunner runs the collecting

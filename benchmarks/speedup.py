@@ -35,6 +35,7 @@ from beam_prefix.model import LoadedModel, load_model
 from beam_prefix.task import Example
 from beam_prefix.transforms import ClassifyText
 from benchmarks import contenders
+from benchmarks import report as report_module
 from benchmarks.floor import floor_ms_per_row, matmul_gflops, non_embedding_params, other_flops_per_row
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +80,8 @@ def _bench_workload(name, task, texts, loaded, args) -> tuple[dict, list[str]]:
     a_rows = texts[:limit] if limit else texts
     warm = texts[:2]
     result = {"rows": len(texts), "a_rows": len(a_rows), "prefix_tokens": clf.prefix_length,
-              "scoring": clf.mode, "label_tokens": clf.label_tokens, "contenders": []}
+              "scoring": clf.mode, "label_search": clf.label_search, "label_tokens": clf.label_tokens,
+              "contenders": []}
 
     contenders.full_reencode(clf, warm)
     a_labels, a_ms = contenders.timed(lambda: contenders.full_reencode(clf, a_rows), len(a_rows))
@@ -93,11 +95,11 @@ def _bench_workload(name, task, texts, loaded, args) -> tuple[dict, list[str]]:
     _LOGGER.info("%s B: %.1f ms/row", name, b_ms)
 
     best = None
+    c_name = "C PrefixClassifier.classify" + (" (pruned label search)" if clf.label_search == "pruned" else "")
     for batch in (args.banking77_batch_sizes if name == "banking77" else args.batch_sizes):
         contenders.batched(clf, texts[:batch], batch)
         c_labels, c_ms = contenders.timed(lambda: contenders.batched(clf, texts, batch), len(texts))
-        entry = {"name": "C PrefixClassifier.classify", "batch": batch, "ms_per_row": c_ms,
-                 "agreement": _agreement(c_labels, a_labels)}
+        entry = {"name": c_name, "batch": batch, "ms_per_row": c_ms, "agreement": _agreement(c_labels, a_labels)}
         result["contenders"].append(entry)
         _LOGGER.info("%s C batch %d: %.1f ms/row", name, batch, c_ms)
         if best is None or c_ms < best["ms_per_row"]:
@@ -112,28 +114,72 @@ def _bench_workload(name, task, texts, loaded, args) -> tuple[dict, list[str]]:
                                  "ms_per_row": e_ms, "agreement": _agreement(e_labels, a_labels)})
     _LOGGER.info("%s C expanded batch %d: %.1f ms/row", name, best["batch"], e_ms)
 
+    _rounds(name, task, texts, warm, clf, best, result, a_labels, args)
+    for entry in result["contenders"]:
+        entry["speedup_vs_a"] = a_ms / entry["ms_per_row"]
+    result["floor"] = _floor(clf, task, texts, loaded, best)
+    result["b_over_a"] = a_ms / b_ms
+    result["c_over_b"] = b_ms / best["ms_per_row"]
+    return result, a_labels
+
+
+def _rounds(name, task, texts, warm, clf, best, result, a_labels, args) -> None:
+    """C at its best batch, C with the exhaustive label search (sequence tasks) and D,
+    timed in interleaved rounds on the same rows; each reports its best round, so drift
+    of the machine's speed between sections does not move the ratios."""
+    batch = best["batch"]
+    runs: dict[str, list[float]] = {"C": [], "exhaustive": [], "D": []}
+    outputs: dict[str, list] = {}
+    exhaustive = clf.mode == "sequence" and clf.label_search == "pruned"
+    run_d = None
     if "d" not in args.skip:
         # Fixed Beam batches several forward batches long. Left adaptive, BatchElements
         # starts small and tunes for a fixed per-batch overhead, but here every row gets
         # cheaper up to the full forward batch.
-        beam_batch = args.d_beam_batches * best["batch"]
-        transform = ClassifyText(task=task, model=args.model, batch_size=best["batch"],
-                                 min_batch_size=beam_batch, max_batch_size=beam_batch,
-                                 verify=False, dtype=args.dtype)
+        beam_batch = args.d_beam_batches * batch
+        transform = ClassifyText(task=task, model=args.model, batch_size=batch, min_batch_size=beam_batch,
+                                 max_batch_size=beam_batch, verify=False, dtype=args.dtype)
         # loaded before timing (normally the benchmark's own model, seeded into the handle)
         holder = _MODEL_HANDLE.acquire(lambda: _ModelHolder(transform.config), tag=transform.config.model_tag)
         run_d = contenders.classify_text(transform, [{"text": t} for t in texts])
         contenders.classify_text(transform, [{"text": t} for t in warm])()
-        d_labels, d_ms = contenders.timed(run_d, len(texts))
-        result["contenders"].append({"name": "D ClassifyText, DirectRunner", "batch": best["batch"],
-                                     "beam_batch": beam_batch, "ms_per_row": d_ms,
-                                     "agreement": _agreement(d_labels, a_labels)})
-        result["d_over_c_throughput"] = best["ms_per_row"] / d_ms
-        _LOGGER.info("%s D: %.1f ms/row", name, d_ms)
+    if exhaustive:
+        contenders.batched_predictions(clf, warm, batch, exhaustive=True)
+    for r in range(args.rounds):
+        outputs["C"], ms = contenders.timed(lambda: contenders.batched_predictions(clf, texts, batch), len(texts))
+        runs["C"].append(ms)
+        if exhaustive:
+            outputs["exhaustive"], ms = contenders.timed(
+                lambda: contenders.batched_predictions(clf, texts, batch, exhaustive=True), len(texts))
+            runs["exhaustive"].append(ms)
+        if run_d is not None:
+            outputs["D"], ms = contenders.timed(run_d, len(texts))
+            runs["D"].append(ms)
+        _LOGGER.info("%s round %d: %s", name, r + 1, {k: round(v[-1], 1) for k, v in runs.items() if v})
+    result["rounds"] = {k: v for k, v in runs.items() if v}
+    c_ms = min(runs["C"])
+    if exhaustive:
+        pruned, full = outputs["C"], outputs["exhaustive"]
+        ex_ms = min(runs["exhaustive"])
+        result["contenders"].append({"name": "C with exhaustive label search", "batch": batch, "ms_per_row": ex_ms,
+                                     "agreement": _agreement([p.label for p in full], a_labels)})
+        result["pruned_vs_exhaustive"] = {
+            "speedup": ex_ms / c_ms, "label_agreement": _agreement([p.label for p in pruned], [p.label for p in full]),
+            "max_prob_diff": max(abs(p.scores[k] - f.scores[k]) for p, f in zip(pruned, full) for k in f.scores),
+            "pruned_label_tokens_per_row": sum(p.label_tokens for p in pruned) / len(pruned),
+            "exhaustive_label_tokens_per_row": clf.label_tokens,
+            "suffix_tokens_per_row": sum(p.suffix_tokens - p.label_tokens for p in pruned) / len(pruned)}
+    if run_d is not None:
+        d_ms = min(runs["D"])
+        result["contenders"].append({"name": "D ClassifyText, DirectRunner", "batch": batch,
+                                     "beam_batch": args.d_beam_batches * batch, "ms_per_row": d_ms,
+                                     "agreement": _agreement(outputs["D"], a_labels)})
+        result["d_over_c_throughput"] = c_ms / d_ms
         del holder
+    result["c_rounds_ms_per_row"] = c_ms
 
-    for entry in result["contenders"]:
-        entry["speedup_vs_a"] = a_ms / entry["ms_per_row"]
+
+def _floor(clf, task, texts, loaded, best) -> dict:
     suffix_tokens = sum(len(clf.encode(t).suffix_ids) for t in texts) / len(texts)
     tokens = suffix_tokens + clf.label_tokens
     params = non_embedding_params(loaded.model)
@@ -142,14 +188,46 @@ def _bench_workload(name, task, texts, loaded, args) -> tuple[dict, list[str]]:
     other = other_flops_per_row(loaded.model.config, prefix_tokens=clf.prefix_length, suffix_tokens=suffix_tokens,
                                 label_tokens=clf.label_tokens, labels=len(task.labels))
     floor_all = floor + other / (gflops * 1e9) * 1e3
-    result["floor"] = {"non_embedding_params": params, "dynamic_tokens_per_row": tokens,
-                       "matmul_gflops": gflops, "floor_ms_per_row": floor,
-                       "c_percent_of_floor": 100.0 * floor / best["ms_per_row"],
-                       "other_gflop_per_row": other / 1e9, "floor_with_attention_ms_per_row": floor_all,
-                       "c_percent_of_floor_with_attention": 100.0 * floor_all / best["ms_per_row"]}
-    result["b_over_a"] = a_ms / b_ms
-    result["c_over_b"] = b_ms / best["ms_per_row"]
-    return result, a_labels
+    return {"non_embedding_params": params, "dynamic_tokens_per_row": tokens,
+            "matmul_gflops": gflops, "floor_ms_per_row": floor,
+            "c_percent_of_floor": 100.0 * floor / best["ms_per_row"],
+            "other_gflop_per_row": other / 1e9, "floor_with_attention_ms_per_row": floor_all,
+            "c_percent_of_floor_with_attention": 100.0 * floor_all / best["ms_per_row"]}
+
+
+def _sliding(loaded, args) -> dict:
+    """Batching on sliding-window layers: a model whose window (512) is shorter than the
+    Banking77 prefix: the embedded model's shapes with random weights (or --sliding_model),
+    C at several batches on both engines, and cached == full on a few rows."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    if args.sliding_model:
+        model = load_model(args.sliding_model, dtype=args.dtype, threads=args.threads)
+    else:
+        c = loaded.model.config
+        torch.manual_seed(0)
+        config = MistralConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                               intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                               max_position_embeddings=8192, sliding_window=512, tie_word_embeddings=True)
+        model = LoadedModel(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval(),
+                            loaded.tokenizer, "random Mistral-style, SmolLM2 shapes, window 512")
+    task = TaskSpec.from_yaml(os.path.join(_TASKS, "banking77.yaml")).replace(label_search="exhaustive")
+    texts = [t for t, _ in _csv(args.banking77_csv, "text", "category")][:args.sliding_rows]
+    out = {"model": model.model_id, "rows": len(texts), "runs": []}
+    for engine in ("shared", "expanded"):
+        clf = PrefixClassifier(task=task, loaded=model, verify=False, prefix_attention=engine)
+        out["prefix_tokens"] = clf.prefix_length
+        for batch in args.sliding_batch_sizes:
+            contenders.batched(clf, texts[:batch], batch)
+            _, ms = contenders.timed(lambda: contenders.batched(clf, texts, batch), len(texts))
+            out["runs"].append({"engine": engine, "batch": batch, "ms_per_row": ms})
+            _LOGGER.info("sliding %s batch %d: %.1f ms/row", engine, batch, ms)
+        check = texts[:3]
+        cached, full = clf.classify(check), clf.classify_full(check)
+        out[f"{engine}_max_prob_diff_vs_full"] = max(abs(c.scores[k] - f.scores[k])
+                                                     for c, f in zip(cached, full) for k in f.scores)
+    return out
 
 
 def _scaled_task(task: TaskSpec, pool: list[tuple[str, str]], target: int, tokenizer) -> TaskSpec:
@@ -189,27 +267,6 @@ def _scaling(loaded, args) -> list[dict]:
                     "c_ms_per_row": c_ms})
         _LOGGER.info("scaling: prefix %d tokens: A %.1f ms/row, C %.1f ms/row", clf.prefix_length, a_ms, c_ms)
     return out
-
-
-def _plot_scaling(points: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = [p["prefix_tokens"] for p in points]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    ax.plot(x, [p["a_ms_per_row"] for p in points], "o-", label="A full re-encode")
-    ax.plot(x, [p["c_ms_per_row"] for p in points], "s-", label="C classify (prefix cached, batch 16)")
-    ax.set_xlabel("static prefix tokens")
-    ax.set_ylabel("ms per row")
-    ax.set_yscale("log")
-    ax.set_title("Per-row time as the static prefix grows")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def _rss(args) -> dict:
@@ -262,53 +319,6 @@ def _modes(loaded, workloads, reference: dict, c_ms: dict, args) -> list[dict]:
     return out
 
 
-def _verdict(mode: dict) -> str:
-    if mode["kept"]:
-        return "yes"
-    return "no (slower here)" if not mode["faster_than_fp32"] else "no (labels differ from A)"
-
-
-def _markdown(report: dict) -> str:
-    lines = [f"Machine: {report['machine']}; torch {report['torch']}, {report['torch_threads']} threads; "
-             f"model {report['model']} ({report['dtype']}); one run, {report['date']}.", ""]
-    for name, w in report["workloads"].items():
-        lines += [f"**{name}**: {w['rows']} rows (A, B and C with the expanded cache on the first {w['a_rows']}), "
-                  f"prefix {w['prefix_tokens']} tokens, "
-                  f"{w['scoring']} scoring" + (f", label trie {w['label_tokens']} tokens" if w["label_tokens"] else ""),
-                  "", "| contender | batch | ms/row | speedup vs A | labels = A |", "| --- | --- | --- | --- | --- |"]
-        for c in w["contenders"]:
-            batch = f"{c['batch']} (Beam batches of {c['beam_batch']})" if c.get("beam_batch") else c["batch"]
-            lines.append(f"| {c['name']} | {batch} | {c['ms_per_row']:.1f} | {c['speedup_vs_a']:.1f}x | "
-                         f"{c['agreement']:.1%} |")
-        f = w["floor"]
-        lines += ["", f"FLOP floor: 2 x {f['non_embedding_params'] / 1e6:.1f}M params x "
-                      f"{f['dynamic_tokens_per_row']:.1f} tokens/row at {f['matmul_gflops']:.1f} GFLOP/s (measured) = "
-                      f"{f['floor_ms_per_row']:.1f} ms/row; C (batch {w['best_c']['batch']}) runs at "
-                      f"{f['c_percent_of_floor']:.0f}% of the floor. Counting also attention and the output "
-                      f"head ({f['other_gflop_per_row']:.1f} GFLOP/row more): floor "
-                      f"{f['floor_with_attention_ms_per_row']:.1f} ms/row, C at "
-                      f"{f['c_percent_of_floor_with_attention']:.0f}%. C/B {w['c_over_b']:.1f}x"
-                  + (f"; D/C throughput {w['d_over_c_throughput']:.2f}." if "d_over_c_throughput" in w else "."), ""]
-    if report.get("scaling"):
-        lines += ["**Prefix-length scaling** (support task, examples added):", "",
-                  "| prefix tokens | A ms/row | C ms/row | A/C |", "| --- | --- | --- | --- |"]
-        lines += [f"| {p['prefix_tokens']} | {p['a_ms_per_row']:.1f} | {p['c_ms_per_row']:.1f} | "
-                  f"{p['a_ms_per_row'] / p['c_ms_per_row']:.1f}x |" for p in report["scaling"]]
-        lines.append("")
-    if report.get("rss"):
-        r = report["rss"]
-        lines += [f"**Memory**: peak RSS of a ClassifyText worker: {r['rss_mb_1_thread']:.0f} MB with 1 thread, "
-                  f"{r['rss_mb_4_threads']:.0f} MB with 4 threads ({r['ratio']:.2f}x).", ""]
-    if report.get("modes"):
-        lines += ["**Optional modes** (C at the best fp32 batch, on the rows A ran):", "",
-                  "| mode | workload | ms/row | fp32 ms/row | labels = A | kept |", "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {m['mode']} | {m['workload']} | {m['ms_per_row']:.1f} | {m['fp32_ms_per_row']:.1f} | "
-                  f"{m['agreement_with_a']:.1%} | {_verdict(m)} |"
-                  for m in report["modes"]]
-        lines.append("")
-    return "\n".join(lines)
-
-
 def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded")
@@ -328,8 +338,14 @@ def run(argv=None) -> dict:
     parser.add_argument("--scaling_a_rows", type=int, default=8)
     parser.add_argument("--rss_rows", type=int, default=200)
     parser.add_argument("--modes", default="int8,bfloat16", type=lambda s: [m for m in s.split(",") if m])
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds of C, C exhaustive and D (each reports its best)")
+    parser.add_argument("--sliding_rows", type=int, default=16)
+    parser.add_argument("--sliding_batch_sizes", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--sliding_model", default=None,
+                        help="a real sliding-window model for that section (default: random weights)")
     parser.add_argument("--skip", default="", type=lambda s: set(x for x in s.split(",") if x),
-                        help="any of: d, scaling, rss, modes")
+                        help="any of: d, scaling, rss, modes, sliding")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
     args = parser.parse_args(argv)
@@ -349,33 +365,23 @@ def run(argv=None) -> dict:
     # the files are rewritten after every section: a long run cut short keeps what it measured
     for name, (task, texts) in workloads.items():
         report["workloads"][name], reference[name] = _bench_workload(name, task, texts, loaded, args)
-        _write(report, args.out_dir)
+        report_module.write(report, args.out_dir)
+    if "sliding" not in args.skip and args.sliding_rows:
+        report["sliding"] = _sliding(loaded, args)
+        report_module.write(report, args.out_dir)
     if "scaling" not in args.skip and args.scaling_tokens:
         report["scaling"] = _scaling(loaded, args)
-        _write(report, args.out_dir)
+        report_module.write(report, args.out_dir)
     if "rss" not in args.skip:
         report["rss"] = _rss(args)
-        _write(report, args.out_dir)
+        report_module.write(report, args.out_dir)
     if "modes" not in args.skip and args.modes and workloads:
         best = {n: w["best_c"] for n, w in report["workloads"].items()}
         report["modes"] = _modes(loaded, workloads, reference, best, args)
-    markdown = _write(report, args.out_dir)
+    markdown = report_module.write(report, args.out_dir)
     print(markdown)
     del held
     return report
-
-
-def _write(report: dict, out_dir: str) -> str:
-    """Write speedup.json, speedup.md and (with scaling) prefix_scaling.png; returns the Markdown."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "speedup.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    if report.get("scaling"):
-        _plot_scaling(report["scaling"], os.path.join(out_dir, "prefix_scaling.png"))
-    markdown = _markdown(report)
-    with open(os.path.join(out_dir, "speedup.md"), "w", encoding="utf-8") as f:
-        f.write(markdown + "\n")
-    return markdown
 
 
 if __name__ == "__main__":

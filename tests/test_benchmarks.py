@@ -13,14 +13,17 @@ def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
         f"--model={tiny_dir}", "--support_rows=6", "--banking77_rows=2", "--batch_sizes=1,4",
         "--banking77_batch_sizes=1,4", "--banking77_a_rows=2",
         "--scaling_tokens=150,400", "--scaling_a_rows=2", "--rss_rows=8", "--modes=int8",
-        f"--out_dir={tmp_path}"])
+        "--sliding_rows=3", "--sliding_batch_sizes=1,3", f"--out_dir={tmp_path}"])
     for name in ("speedup.json", "speedup.md", "prefix_scaling.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert json.loads((tmp_path / "speedup.json").read_text())["workloads"].keys() == {"support", "banking77"}
     for name, workload in report["workloads"].items():
         names = [c["name"] for c in workload["contenders"]]
-        assert [n[0] for n in names] == ["A", "B", "C", "C", "C", "D"], names
+        sequence = workload["scoring"] == "sequence"
+        assert [n[0] for n in names] == ["A", "B", "C", "C", "C"] + (["C"] if sequence else []) + ["D"], names
         assert names[4] == "C with the expanded working cache"
+        assert len(workload["rounds"]["C"]) == len(workload["rounds"]["D"]) == 2  # interleaved, best of two
+        assert workload["d_over_c_throughput"] == min(workload["rounds"]["C"]) / min(workload["rounds"]["D"])
         # B (the recipe), C and D are exact in fp32: the same labels as full re-encoding
         assert all(c["agreement"] == 1.0 for c in workload["contenders"]), (name, workload["contenders"])
         assert workload["floor"]["floor_ms_per_row"] > 0
@@ -28,5 +31,12 @@ def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
         assert d["beam_batch"] == 4 * d["batch"] == 4 * workload["best_c"]["batch"]
         assert "_a_labels" not in workload
     assert report["workloads"]["banking77"]["scoring"] == "sequence"
+    pruned = report["workloads"]["banking77"]["pruned_vs_exhaustive"]
+    assert pruned["label_agreement"] == 1.0 and pruned["max_prob_diff"] <= 1e-4
+    assert 0 < pruned["pruned_label_tokens_per_row"] <= pruned["exhaustive_label_tokens_per_row"]
+    sliding = report["sliding"]
+    assert [(r["engine"], r["batch"]) for r in sliding["runs"]] == [
+        ("shared", 1), ("shared", 3), ("expanded", 1), ("expanded", 3)]
+    assert sliding["shared_max_prob_diff_vs_full"] <= 1e-4 and sliding["expanded_max_prob_diff_vs_full"] <= 1e-4
     assert [p["prefix_tokens"] for p in report["scaling"]] == sorted(p["prefix_tokens"] for p in report["scaling"])
     assert report["rss"]["rss_mb_1_thread"] > 0 and report["modes"][0]["mode"] == "int8"
