@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BQ_STAMP := $(BQ_VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-slow demo bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ install: $(STAMP)
 
 test: $(STAMP) $(BQ_STAMP)
 	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(PY) -m pytest -q tests
+
+# real-model runs too long for the default suite (marked slow)
+test-slow: $(STAMP) $(BQ_STAMP)
+	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(PY) -m pytest -q -m slow tests
 
 demo: $(STAMP)
 	$(PY) -m pipelines.classify --runner=DirectRunner

@@ -53,7 +53,10 @@ class Prediction:
         label: the most probable label.
         score: its probability.
         scores: probability of every label (sums to 1), in task label order.
-        logprobs: the same as natural logs, computed in log space (no underflow).
+        logprobs: the same as natural logs, computed in log space (no underflow). With
+            pruned label search, a label never expanded has its bound here (see
+            `beam_prefix.label_search`), not its exact log-probability; its probability
+            is still within the tolerance of exhaustive scoring.
         suffix_tokens: tokens computed for this row (its suffix, plus its label tokens);
             the prefix tokens were reused from the cache.
         text_tokens: tokens of the row's text before any truncation.

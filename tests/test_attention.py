@@ -105,9 +105,15 @@ def test_cached_forward_runs_only_real_tokens(tiny_models):
 
 
 def _copy(loaded, attn_implementation):
+    """A copy of the model on another attention implementation. The config is copied too:
+    `from_config` writes the implementation into the config it is given, which would switch
+    the session's shared model under every later test."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(loaded.model.config, attn_implementation=attn_implementation)
+    config = copy.deepcopy(loaded.model.config)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     model.load_state_dict(loaded.model.state_dict())
     return model.eval()
 

@@ -25,7 +25,11 @@ def _classifier(loaded, task, **kwargs):
                                             ("sequence", tuple(BANKING_LABELS))])
 @pytest.mark.parametrize("batch_size", [1, 3, 17])
 def test_cached_equals_full(tiny_models, arch, scoring, labels, batch_size):
-    clf = _classifier(tiny_models[arch], tiny_task(labels, scoring=scoring), batch_size=batch_size)
+    # the engine's exactness, every label's log-probability included: exhaustive search
+    # (pruned search == exhaustive is tests/test_label_search.py)
+    clf = _classifier(tiny_models[arch], tiny_task(labels, scoring=scoring), batch_size=batch_size,
+                      label_search="exhaustive")
+    assert clf.prefix_attention == "shared"
     assert clf.mode == scoring
     if arch.endswith("sliding"):  # the prefix must overflow the window for the test to mean much
         assert clf.prefix_length > 24
@@ -42,7 +46,7 @@ def test_cached_equals_full(tiny_models, arch, scoring, labels, batch_size):
 def test_expanded_working_cache_equals_full(tiny_models, arch, scoring, labels):
     """The other engine (any attention implementation): a DynamicCache on the expanded prefix."""
     clf = _classifier(tiny_models[arch], tiny_task(labels, scoring=scoring), batch_size=3,
-                      prefix_attention="expanded")
+                      prefix_attention="expanded", label_search="exhaustive")
     assert clf.prefix_attention == "expanded"
     assert_same_predictions(clf.classify(TEXTS), clf.classify_full(TEXTS))
     assert clf.cache_length() == clf.prefix_length
@@ -82,7 +86,7 @@ def _brute_force(model, prompt_ids, label_ids):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_sliding", "gpt2"])
 def test_multi_token_labels_match_brute_force(tiny_models, arch):
-    clf = _classifier(tiny_models[arch], tiny_task(BANKING_LABELS), batch_size=4)
+    clf = _classifier(tiny_models[arch], tiny_task(BANKING_LABELS), batch_size=4, label_search="exhaustive")
     assert clf.mode == "sequence"  # auto: card_/cash_/top_up_ share first tokens
     firsts = [ids[0] for ids in clf.layout.label_ids]
     assert len(set(firsts)) < len(firsts)
@@ -95,7 +99,7 @@ def test_multi_token_labels_match_brute_force(tiny_models, arch):
 
 
 def test_embedded_multi_token_labels_match_brute_force(embedded):
-    clf = _classifier(embedded, tiny_task(BANKING_LABELS), batch_size=3)
+    clf = _classifier(embedded, tiny_task(BANKING_LABELS), batch_size=3, label_search="exhaustive")
     assert clf.mode == "sequence"
     texts = ["My new card has still not arrived", "I got charged a fee for withdrawing cash"]
     for text, pred in zip(texts, clf.classify(texts)):
