@@ -98,8 +98,9 @@ class PrefixClassifier:
             ``"expanded"``: a per-instance `DynamicCache` seated on the batch-expanded
             prefix and cropped back after every batch (any attention implementation).
             ``"auto"`` (default): shared where the model supports it, else expanded.
-        label_search: sequence scoring's search over the label trie, ``"pruned"`` or
-            ``"exhaustive"`` (default: the task's `label_search`). Pruned search is exact to
+        label_search: sequence scoring's search over the label trie, ``"pruned"``,
+            ``"exhaustive"`` or ``"auto"`` (pruned under shared-prefix attention; default:
+            the task's `label_search`, itself ``auto`` by default). Pruned search is exact to
             `label_tolerance`: a label it never expands gets its probability from the bound
             (see `beam_prefix.label_search`); every probability is within the tolerance
             of exhaustive scoring.
@@ -143,10 +144,10 @@ class PrefixClassifier:
         if self.mode == "first_token" and len(set(self._first_ids.tolist())) < len(task.labels):
             raise ValueError(f"scoring='first_token' but labels share first tokens; use 'sequence' or 'auto'")
         self.trie = LabelTrie.build(self.layout.label_ids) if self.mode == "sequence" else None
-        self.label_search = task.label_search if self.mode == "sequence" else "exhaustive"
         start = time.perf_counter()
         self.prefix_cache = PrefixCache(self.model, self.layout.prefix_ids)
         self.prefix_attention = self._choose_attention(prefix_attention)
+        self.label_search = self._choose_search(task.label_search)
         self._working = self._new_working()
         self.fingerprint = self.layout.fingerprint(self.model_id)
         self._calibration: torch.Tensor | None = None
@@ -193,6 +194,15 @@ class PrefixClassifier:
                              f"through transformers' AttentionInterface; this one uses "
                              f"{self.model.config._attn_implementation!r}")
         return "expanded"
+
+    def _choose_search(self, requested: str) -> str:
+        if self.mode != "sequence":
+            return "exhaustive"  # first-token scoring has no trie to search
+        if requested == "auto":
+            # on the expanded cache each round of a pruned search appends to the working
+            # cache, whose update copies the batch-expanded prefix again in every layer
+            return "pruned" if self.prefix_attention == "shared" else "exhaustive"
+        return requested
 
     def _new_working(self) -> WorkingCache | None:
         return self.prefix_cache.working_cache() if self.prefix_attention == "expanded" else None

@@ -179,6 +179,8 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
                 good.append(row)
             except RowError as e:
                 yield self._failed(row, e.reason, str(e), "validate")
+            except Exception as e:  # whatever else one row raises fails that row, not the bundle
+                yield self._failed(row, "invalid_row", f"{type(e).__name__}: {e}", "validate")
         if not good:
             return
         start = time.perf_counter()
@@ -218,7 +220,8 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
 
     def _text_of(self, row: Mapping[str, Any]):
         if self.config.text_column not in row:
-            raise RowError(f"row has no column {self.config.text_column!r} (columns: {sorted(row)})",
+            columns = sorted(map(str, row))  # keys may be None (ragged CSV) or ints
+            raise RowError(f"row has no column {self.config.text_column!r} (columns: {columns[:20]})",
                            reason="missing_column")
         return row[self.config.text_column]
 

@@ -26,7 +26,10 @@ exact ties).
 
 Each round picks the fewest top-bound nodes that could end the search: after the round,
 the frontier left behind must be below `tolerance` of the resolved mass plus, at best,
-the mass of the nodes picked.
+the mass of the nodes picked. When that is most of a row's frontier (`BULK_SHARE`), the
+model is not putting its mass on few labels and pruning will not pay: the row's whole
+remaining trie then runs in that one round (tree attention among the round's nodes, as
+in exhaustive scoring), instead of one round per trie level.
 
 Nothing outlives the call: the suffixes' and nodes' keys and values live in the call's
 `CallState` (or in the working cache, cropped on exit), and nothing is shared between
@@ -48,6 +51,10 @@ from beam_prefix.scoring import LabelTrie, OutputHead
 __all__ = ["search_labels", "DEFAULT_TOLERANCE"]
 
 DEFAULT_TOLERANCE = 1e-5
+# a round that would pick at least this share of a row's frontier (of at least
+# BULK_MIN_FRONTIER nodes) expands the row's whole remaining trie at once
+BULK_SHARE = 0.75
+BULK_MIN_FRONTIER = 16
 
 
 def search_labels(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequence[Sequence[int]],
@@ -88,7 +95,8 @@ def search_labels(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequen
 
 def _node_step(trie: LabelTrie, nodes: torch.Tensor, real: torch.Tensor, suffix: Step, call: CallState,
                column: torch.Tensor, ends: torch.Tensor) -> Step:
-    """A round's nodes ``[B, Q]`` as a step: each sees its row's suffix and ancestors."""
+    """A round's nodes ``[B, Q]`` as a step: each sees its row's suffix and ancestors,
+    those expanded earlier (in the call's columns) and those in this round."""
     batch, q = nodes.shape
     n = call.length
     see_past = torch.zeros(batch, q, n + 1, dtype=torch.bool)
@@ -96,11 +104,14 @@ def _node_step(trie: LabelTrie, nodes: torch.Tensor, real: torch.Tensor, suffix:
     see_past[:, :, :width] = suffix.real[:, None, :]
     eye = torch.eye(trie.size, dtype=torch.bool)
     above = trie.ancestors[nodes] & ~eye[nodes]  # [B, Q, T] strict ancestors, all expanded
-    where = torch.where(above, column[:, None, :], torch.full_like(column[:, None, :], n))
+    earlier = above & (column[:, None, :] >= 0)
+    where = torch.where(earlier, column[:, None, :], torch.full_like(column[:, None, :], n))
     see_past.scatter_(2, where, True)
     see_past = see_past[:, :, :n] & real[:, :, None]
+    # within the round: a node and its ancestors picked with it (a bulk round)
+    see_new = trie.ancestors[nodes[:, :, None], nodes[:, None, :]] & real[:, :, None] & real[:, None, :]
     return Step(ids=trie.tokens[nodes], positions=ends[:, None] + trie.depth[nodes], real=real,
-                see_new=torch.eye(q, dtype=torch.bool)[None] & real[:, :, None], see_past=see_past)
+                see_new=see_new, see_past=see_past)
 
 
 class _Search:
@@ -136,7 +147,14 @@ class _Search:
         self._set(rows, edges[None].expand(batch, -1), mask[None].expand(batch, -1), logp)
 
     def expand(self, head: OutputHead, hidden: torch.Tensor, rows: torch.Tensor, nodes: torch.Tensor) -> None:
-        """Children of `nodes` (one per entry of `rows`) from their hidden states ``[R, H]``."""
+        """Children of `nodes` (one per entry of `rows`) from their hidden states ``[R, H]``,
+        shallowest first: a node's path log-probability comes from its parent's expansion."""
+        depth = self.trie.depth[nodes]
+        for level in depth.unique().tolist():
+            at = depth == level
+            self._expand(head, hidden[at], rows[at], nodes[at])
+
+    def _expand(self, head: OutputHead, hidden: torch.Tensor, rows: torch.Tensor, nodes: torch.Tensor) -> None:
         edges, mask = self.trie.children[1 + nodes], self.trie.children_mask[1 + nodes]  # [R, C]
         r, c = edges.shape
         logits = head.pair_logits(hidden[:, None].expand(r, c, -1).reshape(r * c, -1),
@@ -167,6 +185,11 @@ class _Search:
         take = torch.minimum(take, count)
         done = torch.logsumexp(bounds, -1) < self.log_tolerance + resolved  # also: empty frontier
         take = torch.where(done | (count == 0), torch.zeros_like(take), take)
+        bulk = (take > 0) & (count >= BULK_MIN_FRONTIER) & (take >= BULK_SHARE * count)
+        if bool(bulk.any()):  # every unexpanded node of those rows, ahead of the others
+            rest = ~self.expanded & bulk[:, None]
+            take = torch.where(bulk, rest.sum(-1), take)
+            order = torch.where(bulk[:, None], (~rest).long().argsort(dim=-1, stable=True), order)
         width = max(int(take.max()), 1)
         real = torch.arange(width)[None] < take[:, None]
         nodes = torch.where(real, order[:, :width], torch.zeros_like(order[:, :width]))

@@ -29,7 +29,7 @@ import json
 import logging
 from typing import Sequence
 
-from beam_prefix.errors import BoundaryError, RowError, TextTooLongError
+from beam_prefix.errors import BoundaryError, RowError, TaskSpecError, TextTooLongError
 from beam_prefix.task import TaskSpec
 
 __all__ = ["PromptLayout", "EncodedText", "PROBE_TEXTS"]
@@ -108,6 +108,7 @@ class PromptLayout:
                 does not tokenize cleanly after the prompt.
         """
         mode = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+        _refuse_control_strings(task, _added_token_strings(tokenizer))
         if mode == "chat":
             rendered = _render_chat(task, tokenizer, _SENTINEL)
             label_lead, terminator = "", _chat_terminator(task, tokenizer)
@@ -301,6 +302,11 @@ def _clean_text(text) -> str:
         raise RowError("text is null", reason="null_text")
     if not isinstance(text, str):
         raise RowError(f"text must be a string, got {type(text).__name__}", reason="wrong_type")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a JSON "\ud800" escape
+        raise RowError(f"text is not valid Unicode: {e.reason} {text[e.start:e.end]!r} at character "
+                       f"{e.start}", reason="invalid_unicode") from None
     text = text.strip()
     if not text:
         raise RowError("text is empty", reason="empty_text")
@@ -364,6 +370,19 @@ def _render_plain(task: TaskSpec, text: str) -> str:
         blocks.append(f"{task.render_suffix(example.text)}\n{_PLAIN_ANSWER_LEAD} {example.label}")
     blocks.append(f"{task.render_suffix(text)}\n{_PLAIN_ANSWER_LEAD}")
     return "\n\n".join(blocks)
+
+
+def _refuse_control_strings(task: TaskSpec, specials: Sequence[str]) -> None:
+    """Labels and examples are rendered into the prompt as static text, which the
+    tokenizer parses for control tokens: one holding `<|im_end|>` would end a turn."""
+    fields = [(f"labels: label {label.name[:60]!r}", label.name) for label in task.labels]
+    fields += [(f"labels: description of {label.name[:60]!r}", label.description) for label in task.labels]
+    fields += [(f"examples: example {e.text[:40]!r}", e.text + "\n" + e.label) for e in task.examples]
+    for where, text in fields:
+        found = next((sp for sp in specials if sp in text), None)
+        if found is not None:
+            raise TaskSpecError(f"{where} contains the tokenizer's control string {found!r}, which would be "
+                                f"read as a control token in the prompt; remove it")
 
 
 def _added_token_strings(tokenizer) -> list[str]:

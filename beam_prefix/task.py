@@ -1,8 +1,10 @@
 """The classification task: instructions, labels, few-shot examples, suffix template.
 
 A `TaskSpec` is pure configuration (a frozen dataclass validated at construction); it
-knows nothing about tokenizers or models. `TaskSpec.from_yaml` reads a task file with
-`yaml.safe_load`; every problem is a `TaskSpecError` that names the field and the fix.
+knows nothing about tokenizers or models. `TaskSpec.from_yaml` reads a task file of at
+most `MAX_TASK_FILE_BYTES` with a safe loader that also refuses aliases (no "billion
+laughs") and duplicate keys; every problem is a `TaskSpecError` that names the field and
+the fix.
 
 Task file format::
 
@@ -20,7 +22,7 @@ Task file format::
     max_text_tokens: 256         # optional token budget for one row's text
     overflow: truncate           # truncate (recorded) or reject
     scoring: auto                # auto, first_token or sequence
-    label_search: pruned         # sequence scoring: pruned (exact to label_tolerance) or exhaustive
+    label_search: auto           # sequence scoring: auto, pruned (exact to label_tolerance) or exhaustive
     label_tolerance: 1.0e-5      # pruned search stops when unexplored mass < this x resolved mass
 """
 
@@ -35,12 +37,15 @@ import yaml
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["Label", "Example", "TaskSpec", "DEFAULT_CALIBRATION_TEXTS"]
+__all__ = ["Label", "Example", "TaskSpec", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
+
+MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
+_MAX_NAME_CHARS = 200
 
 DEFAULT_CALIBRATION_TEXTS = ("N/A", "", "[MASK]")
 _OVERFLOW_POLICIES = ("truncate", "reject")
 _SCORING_MODES = ("auto", "first_token", "sequence")
-LABEL_SEARCHES = ("pruned", "exhaustive")
+LABEL_SEARCHES = ("auto", "pruned", "exhaustive")
 _KNOWN_KEYS = {
     "name", "instructions", "labels", "examples", "suffix_template", "model",
     "calibration", "max_text_tokens", "overflow", "scoring", "label_search", "label_tolerance",
@@ -56,13 +61,13 @@ class Label:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.strip():
-            raise TaskSpecError(f"labels: every label needs a non-empty string name, got {self.name!r}")
+            raise TaskSpecError(f"labels: every label needs a non-empty string name, got {_short(self.name)}")
         if self.name != self.name.strip():
-            raise TaskSpecError(f"labels: label {self.name!r} has leading/trailing whitespace; remove it")
+            raise TaskSpecError(f"labels: label {_short(self.name)} has leading/trailing whitespace; remove it")
         if "\n" in self.name:
-            raise TaskSpecError(f"labels: label {self.name!r} contains a newline")
+            raise TaskSpecError(f"labels: label {_short(self.name)} contains a newline")
         if not isinstance(self.description, str):
-            raise TaskSpecError(f"labels: description of {self.name!r} must be a string")
+            raise TaskSpecError(f"labels: description of {_short(self.name)} must be a string")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +79,7 @@ class Example:
 
     def __post_init__(self):
         if not isinstance(self.text, str) or not self.text.strip():
-            raise TaskSpecError(f"examples: every example needs a non-empty text, got {self.text!r}")
+            raise TaskSpecError(f"examples: every example needs a non-empty text, got {_short(self.text)}")
         if not isinstance(self.label, str):
             raise TaskSpecError(f"examples: label of example {self.text[:40]!r} must be a string")
 
@@ -97,7 +102,10 @@ class TaskSpec:
         scoring: `first_token`, `sequence`, or `auto` (first token when the labels'
             first tokens are distinct, else full label sequence).
         label_search: in sequence scoring, `pruned` (best-first over the label trie,
-            `beam_prefix.label_search`) or `exhaustive` (every trie token for every row).
+            `beam_prefix.label_search`), `exhaustive` (every trie token for every row), or
+            `auto` (default): pruned under shared-prefix attention, exhaustive on the
+            expanded working cache, where every round of a pruned search would copy the
+            batch-expanded prefix again.
         label_tolerance: pruned search stops for a row when the probability mass it has
             not explored is below this fraction of the mass of the labels it resolved.
     """
@@ -112,7 +120,7 @@ class TaskSpec:
     max_text_tokens: int = 256
     overflow: str = "truncate"
     scoring: str = "auto"
-    label_search: str = "pruned"
+    label_search: str = "auto"
     label_tolerance: float = 1e-5
 
     def __post_init__(self):
@@ -132,8 +140,11 @@ class TaskSpec:
         self._validate()
 
     def _validate(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip() or len(self.name) > _MAX_NAME_CHARS:
+            raise TaskSpecError(f"name: expected a non-empty string of at most {_MAX_NAME_CHARS} characters, "
+                                f"got {_short(self.name)}")
         if not isinstance(self.instructions, str):
-            raise TaskSpecError("instructions: expected a string")
+            raise TaskSpecError(f"instructions: expected a string, got {type(self.instructions).__name__}")
         if not self.labels:
             raise TaskSpecError("labels: a task needs at least two labels, got none")
         if len(self.labels) < 2:
@@ -177,7 +188,7 @@ class TaskSpec:
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise TaskSpecError(f"label_tolerance: expected a number between 0 and 1 (exclusive), got {tol!r}")
         if self.model is not None and not isinstance(self.model, str):
-            raise TaskSpecError(f"model: expected a string, got {self.model!r}")
+            raise TaskSpecError(f"model: expected a string, got {_short(self.model)}")
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -224,16 +235,53 @@ class TaskSpec:
         """Read a task file (YAML, safe-loaded)."""
         path = os.fspath(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
+            with open(path, "rb") as f:
+                raw = f.read(MAX_TASK_FILE_BYTES + 1)
         except OSError as e:
             raise TaskSpecError(f"task file {path!r} cannot be read: {e}") from e
+        if len(raw) > MAX_TASK_FILE_BYTES:
+            raise TaskSpecError(f"task file {path!r} is larger than {MAX_TASK_FILE_BYTES:,} bytes")
+        try:
+            data = yaml.load(raw.decode("utf-8"), Loader=_TaskLoader)  # noqa: S506 - a SafeLoader
+        except UnicodeDecodeError as e:
+            raise TaskSpecError(f"task file {path!r} is not UTF-8: {e}") from None
         except yaml.YAMLError as e:
-            raise TaskSpecError(f"task file {path!r} is not valid YAML: {e}") from e
+            raise TaskSpecError(f"task file {path!r} is not valid YAML: {_cut(str(e), 500)}") from None
         spec = cls.from_dict(data, source=f"task file {path!r}")
         if spec.name == "task":
             spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
         return spec
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` without aliases (an alias bomb expands to gigabytes) and without
+    duplicate keys (YAML lets the last one win silently)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(
+                None, None, f"anchors and aliases (*{event.anchor}) are not allowed in task files", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """`repr` of a value, cut to `limit` characters: error messages stay small."""
+    return _cut(repr(value), limit)
 
 
 def _as_sequence(value: Any, field: str) -> Sequence:
@@ -250,9 +298,9 @@ def _coerce_label(value: Any) -> Label:
     if isinstance(value, Mapping):
         extra = set(value) - {"name", "description"}
         if extra or "name" not in value:
-            raise TaskSpecError(f"labels: expected {{name, description}}, got {dict(value)!r}")
+            raise TaskSpecError(f"labels: expected {{name, description}}, got {_short(dict(value))}")
         return Label(value["name"], value.get("description") or "")
-    raise TaskSpecError(f"labels: expected a string or a mapping, got {value!r}")
+    raise TaskSpecError(f"labels: expected a string or a mapping, got {_short(value)}")
 
 
 def _coerce_example(value: Any) -> Example:
@@ -260,7 +308,7 @@ def _coerce_example(value: Any) -> Example:
         return value
     if isinstance(value, Mapping) and set(value) == {"text", "label"}:
         return Example(value["text"], value["label"])
-    raise TaskSpecError(f"examples: expected a mapping with 'text' and 'label', got {value!r}")
+    raise TaskSpecError(f"examples: expected a mapping with 'text' and 'label', got {_short(value)}")
 
 
 def _template_fields(template: str) -> list[str]:

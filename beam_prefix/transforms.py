@@ -39,7 +39,7 @@ class ClassifyText(beam.PTransform):
             max(64, 4 x batch_size), min to min(8, max_batch_size)).
         batch_size: rows per forward pass inside a Beam batch.
         max_text_tokens, overflow, calibration, label_search, label_tolerance: override
-            the task's settings (`label_search`: ``pruned`` or ``exhaustive``).
+            the task's settings (`label_search`: ``auto``, ``pruned`` or ``exhaustive``).
         verify: run the cached-vs-full self-check on each worker at start-up.
         top_k: add a ``top_k`` column, the `top_k` best labels as a list of
             ``{"label", "score"}`` records, best first.

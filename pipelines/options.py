@@ -94,10 +94,10 @@ class ClassifyOptions(PipelineOptions):
                            help="Contextual calibration on or off (default: the task's).")
         model.add_argument("--verify", default="true", choices=("true", "false"),
                            help="Self-check cached against full re-encoding on each worker at start-up.")
-        model.add_argument("--label_search", default=None, choices=("pruned", "exhaustive"),
+        model.add_argument("--label_search", default=None, choices=("auto", "pruned", "exhaustive"),
                            help="Sequence-scored tasks: pruned (best-first over the label trie, exact to the "
-                                "task's label_tolerance) or exhaustive (every label token for every row). "
-                                "Default: the task's (pruned).")
+                                "task's label_tolerance), exhaustive (every label token for every row) or auto "
+                                "(pruned on sdpa models, else exhaustive). Default: the task's (auto).")
         model.add_argument("--top_k", type=int, default=None,
                            help="Add a top_k column: the N most probable labels, best first, as a list of "
                                 "{label, score} records (Parquet list<struct>, BigQuery REPEATED RECORD).")

@@ -45,7 +45,14 @@ def _json_default(value):
 
 
 def to_json(value) -> str:
-    return json.dumps(value, ensure_ascii=False, default=_json_default)
+    """JSON text, UTF-8 clean: a lone surrogate (which no UTF-8 writer accepts) stays as its
+    JSON escape (``\\ud800``), so a failed row holding one can still be written."""
+    text = json.dumps(value, ensure_ascii=False, default=_json_default)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, ensure_ascii=True, default=_json_default)
+    return text
 
 
 def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.Field]:

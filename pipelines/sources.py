@@ -1,8 +1,10 @@
 """Reading input rows: Parquet, JSONL, CSV files, BigQuery, or the shipped sample.
 
 `read_rows(p, options)` returns the rows (dicts) and the rows that could not even be
-parsed (a bad JSON line), already shaped as failed records, so that every input row is
-accounted for. `input_schema(options)` reads the input's column types at launch where
+parsed (a bad JSON line, a CSV row with the wrong number of fields, a line that is not
+UTF-8), already shaped as failed records, so that every input row is accounted for. A
+UTF-8 byte-order mark is dropped, and a CSV field may be as long as a Parquet or JSONL
+text (Python's csv module stops at 131,072 characters by default). `input_schema(options)` reads the input's column types at launch where
 the source has a schema (Parquet, a BigQuery table), so outputs keep those types.
 """
 
@@ -12,10 +14,12 @@ import csv
 import io
 import json
 import logging
+import sys
 
 import apache_beam as beam
 import pyarrow as pa
 import pyarrow.parquet as pq
+from apache_beam import coders
 from apache_beam.io import fileio
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
@@ -55,10 +59,21 @@ def describe_input(options: PipelineOptions) -> str:
     return f"the shipped sample tickets ({SAMPLE_TICKETS})"
 
 
-class _ParseJsonLines(beam.DoFn):
-    """One JSON object per line; a line that is not one becomes a failed row."""
+# csv's default field limit (131,072 characters) is far below what Parquet and JSONL take
+csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
-    def process(self, line: str):
+
+class _ParseJsonLines(beam.DoFn):
+    """One JSON object per line (read as bytes); a line that is not one becomes a failed row."""
+
+    def process(self, raw: bytes):
+        try:
+            line = raw.decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError as e:
+            yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
+                {"line": raw.decode("utf-8", "backslashreplace")}, reason="undecodable",
+                error=f"not UTF-8: byte {raw[e.start:e.end]!r} at byte {e.start} of the line", stage="read"))
+            return
         try:
             row = json.loads(line)
         except ValueError as e:
@@ -69,13 +84,61 @@ class _ParseJsonLines(beam.DoFn):
             yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
                 {"line": line}, reason="unparseable", error="a JSON line must be an object", stage="read"))
             return
+        try:  # a "\ud800" escape decodes to a lone surrogate, which no UTF-8 coder or writer takes
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
+                {"line": line}, reason="invalid_unicode", error=f"not valid Unicode: {e.reason}", stage="read"))
+            return
         yield row
 
 
-def _csv_rows(readable_file):
-    # The whole file at once: quoted fields may hold newlines.
-    with readable_file.open() as f:
-        yield from csv.DictReader(io.TextIOWrapper(f, encoding="utf-8", newline=""))
+class _ParseCsv(beam.DoFn):
+    """A CSV file's rows as dicts keyed by its header; a row with the wrong number of
+    fields, or with bytes that are not UTF-8, becomes a failed row."""
+
+    def process(self, readable_file):
+        # the whole file at once: quoted fields may hold newlines; bad bytes are kept as
+        # surrogates so that one bad row does not stop the file
+        with readable_file.open() as f:
+            text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
+            reader = csv.reader(text)
+            header = None
+            while True:
+                try:
+                    fields = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as e:
+                    yield self._failed({"line": reader.line_num}, "unparseable", f"line {reader.line_num}: {e}")
+                    continue
+                if header is None:
+                    header = fields
+                    continue
+                if not fields:  # a blank line
+                    continue
+                if _has_surrogates(fields):
+                    yield self._failed({"fields": [f.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                                                   for f in fields]}, "undecodable",
+                                       f"line {reader.line_num}: bytes that are not UTF-8")
+                elif len(fields) != len(header):
+                    yield self._failed(dict(zip(header, fields)) | {"extra_fields": fields[len(header):]},
+                                       "unparseable", f"line {reader.line_num}: {len(fields)} fields, the header "
+                                       f"has {len(header)}")
+                else:
+                    yield dict(zip(header, fields))
+
+    @staticmethod
+    def _failed(row, reason: str, error: str):
+        return beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(row, reason=reason, error=error, stage="read"))
+
+
+def _has_surrogates(fields) -> bool:
+    try:
+        "".join(fields).encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def read_rows(p, options: PipelineOptions):
@@ -102,10 +165,16 @@ def read_rows(p, options: PipelineOptions):
     if fmt == "parquet":
         return p | "ReadParquet" >> beam.io.ReadFromParquet(o.input), none
     if fmt == "csv":
-        rows = (p | "MatchCsv" >> fileio.MatchFiles(o.input) | "OpenCsv" >> fileio.ReadMatches()
-                | "ParseCsv" >> beam.FlatMap(_csv_rows))
-        return rows, none
-    parsed = (p | "ReadJsonl" >> beam.io.ReadFromText(o.input)
+        try:  # fail at launch when nothing matches, as Parquet and JSONL inputs do
+            matched = FileSystems.match([o.input])[0].metadata_list
+        except Exception as e:  # noqa: BLE001 - each filesystem raises its own kind
+            raise ValueError(f"--input={o.input!r} cannot be listed: {e}") from e
+        if not matched:
+            raise ValueError(f"--input={o.input!r} matches no file")
+        parsed = (p | "MatchCsv" >> fileio.MatchFiles(o.input) | "OpenCsv" >> fileio.ReadMatches()
+                  | "ParseCsv" >> beam.ParDo(_ParseCsv()).with_outputs(FAILED_TAG, main="rows"))
+        return parsed.rows, parsed[FAILED_TAG]
+    parsed = (p | "ReadJsonl" >> beam.io.ReadFromText(o.input, coder=coders.BytesCoder())
               | "ParseJsonl" >> beam.ParDo(_ParseJsonLines()).with_outputs(FAILED_TAG, main="rows"))
     return parsed.rows, parsed[FAILED_TAG]
 

@@ -106,6 +106,7 @@ def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str
         "rows_per_s": round((labeled + failed) / wall_s, 2) if wall_s > 0 else None,
         "prefix_tokens_reused": lib.get("prefix_tokens_reused", 0),
         "suffix_tokens_computed": lib.get("suffix_tokens_computed", 0),
+        "label_tokens_computed": lib.get("label_tokens_computed", 0),
         "rows_truncated": lib.get("rows_truncated", 0),
         "outputs": dict(outputs),
     }
@@ -130,7 +131,8 @@ def format_summary(s: dict) -> str:
         + ("" if s["accounted_for"] else "  (MISMATCH: some rows are unaccounted for)"),
         f"{s['rows_per_s']} rows/s over {s['wall_s']:.1f} s (including model load and start-up self-check)",
         f"prefix tokens reused {s['prefix_tokens_reused']:,}; suffix tokens computed "
-        f"{s['suffix_tokens_computed']:,}",
+        f"{s['suffix_tokens_computed']:,}"
+        + (f" (of which label tokens {s['label_tokens_computed']:,})" if s.get("label_tokens_computed") else ""),
         "labels:",
     ]
     lines += [f"  {n:<{width}} {c}" for n, c in sorted(s["label_counts"].items(), key=lambda kv: -kv[1]) if c]

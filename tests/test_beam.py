@@ -320,3 +320,27 @@ def test_prob_columns_default_follows_the_label_count():
         "label", "score", *[prob_column(n) for n in LABELS], "top_k", "truncated", "prompt_fingerprint", "model"]
     with pytest.raises(ValueError, match="top_k"):
         ClassifyText(task=_task(), top_k=-1)
+
+
+def test_a_row_that_raises_anything_fails_alone(tiny_dir, monkeypatch):
+    """Lone surrogates, keys that do not sort, and any unexpected exception while one row is
+    validated become that row's failure; the rest of its bundle is labelled."""
+    odd = [{"ticket_id": "S1", "text": "abc\udc80def"}, {"ticket_id": "S2", "text": "\ud800"},
+           {"ticket_id": "K1", None: "ragged csv", "body": "x"}, {"ticket_id": "K2", 3: "int key"}]
+    dofn = PrefixCachedClassifyDoFn(ClassifyConfig(task=_task(), model=tiny_dir, id_column="ticket_id"))
+    dofn.setup()
+    out = list(dofn.process(GOOD[:3] + odd))
+    failed = {o.value["id"]: o.value for o in out if isinstance(o, beam.pvalue.TaggedOutput)}
+    labeled = [o for o in out if not isinstance(o, beam.pvalue.TaggedOutput)]
+    assert len(labeled) == 3
+    assert {k: v["reason"] for k, v in failed.items()} == {
+        "S1": "invalid_unicode", "S2": "invalid_unicode", "K1": "missing_column", "K2": "missing_column"}
+    assert "None" in failed["K1"]["error"] and "3" in failed["K2"]["error"]
+
+    def broken(text):
+        raise KeyError("tokenizer blew up")
+
+    monkeypatch.setattr(dofn._clf, "encode", broken)
+    out = list(dofn.process(GOOD[:2]))
+    assert [(o.value["reason"], o.value["error"]) for o in out] == [
+        ("invalid_row", "KeyError: 'tokenizer blew up'")] * 2

@@ -41,7 +41,7 @@ def _classifier(loaded, **kwargs):
 @pytest.mark.parametrize("engine", ["shared", "expanded"])
 def test_pruned_equals_exhaustive(tiny_models, arch, calibration, batch_size, engine):
     clf = _classifier(tiny_models[arch], task=tiny_task(HARD_LABELS, scoring="sequence", calibration=calibration),
-                      batch_size=batch_size, prefix_attention=engine)
+                      batch_size=batch_size, prefix_attention=engine, label_search="pruned")
     assert clf.label_search == "pruned" and clf.prefix_attention == engine
     pruned = clf.classify(TEXTS)
     exhaustive = clf.classify_exhaustive(TEXTS)
@@ -68,6 +68,26 @@ def test_pruned_search_really_skips_nodes_and_bounds_the_rest(tiny_models):
     assert skipped > 0
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5])
+@pytest.mark.parametrize("engine", ["shared", "expanded"])
+def test_bulk_rounds_expand_the_rest_exactly(tiny_models, monkeypatch, share, engine):
+    """A row whose round would pick most of its frontier runs its whole remaining trie at
+    once (tree attention within the round); mixed with best-first rows in one pass."""
+    from beam_prefix import label_search
+
+    monkeypatch.setattr(label_search, "BULK_MIN_FRONTIER", 1)
+    monkeypatch.setattr(label_search, "BULK_SHARE", share)
+    clf = _classifier(tiny_models["qwen2_sliding"], task=tiny_task(HARD_LABELS, scoring="sequence", calibration=True),
+                      batch_size=5, prefix_attention=engine, label_search="pruned")
+    pruned, exhaustive = clf.classify(TEXTS), clf.classify_exhaustive(TEXTS)
+    assert_pruned_matches(pruned, exhaustive)
+    if share == 0.0:  # the first round takes everything: every label exact, log-probabilities too
+        assert all(p.label_tokens == clf.label_tokens for p in pruned)
+        for p, e in zip(pruned, exhaustive):
+            assert all(abs(p.logprobs[n] - v) <= 1e-3 for n, v in e.logprobs.items())
+    assert clf.cache_length() == clf.prefix_length
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral_sliding"])
 def test_tolerance_trades_tokens_for_precision(tiny_models, arch):
     loaded = tiny_models[arch]
@@ -79,12 +99,25 @@ def test_tolerance_trades_tokens_for_precision(tiny_models, arch):
     assert_pruned_matches(tight, exhaustive, atol=1e-8)
 
 
-def test_embedded_pruned_equals_exhaustive(embedded):
-    for calibration in (False, True):
-        clf = _classifier(embedded, task=tiny_task(BANKING_LABELS, scoring="sequence", calibration=calibration),
-                          batch_size=5)
-        assert_pruned_matches(clf.classify(TEXTS), clf.classify_exhaustive(TEXTS))
-        clf.verify()  # the start-up self-check: pruned against full re-encoding and exhaustive
+@pytest.mark.parametrize("batch_size", [1, 3, 17])
+@pytest.mark.parametrize("calibration", [False, True])
+def test_embedded_pruned_equals_exhaustive(embedded, batch_size, calibration):
+    clf = _classifier(embedded, task=tiny_task(HARD_LABELS, scoring="sequence", calibration=calibration),
+                      batch_size=batch_size)
+    pruned, exhaustive = clf.classify(TEXTS), clf.classify_exhaustive(TEXTS)
+    assert_pruned_matches(pruned, exhaustive)
+    assert score_spread(exhaustive) > 0.2
+    # (this model spreads its mass beyond these labels, so the search may expand everything;
+    # that pruning does skip nodes is shown on the tiny models)
+
+
+def test_embedded_self_check_compares_with_both_references(embedded, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="beam_prefix.classifier"):
+        clf = PrefixClassifier(task=tiny_task(BANKING_LABELS, scoring="sequence"), loaded=embedded, verify=True)
+    assert clf.label_search == "pruned"
+    assert any("full re-encoding and exhaustive label search" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.slow
@@ -102,7 +135,7 @@ def test_embedded_banking77_pruned_equals_exhaustive(embedded):
 @pytest.mark.parametrize("engine", ["shared", "expanded"])
 def test_batch_invariance(tiny_models, engine):
     clf = _classifier(tiny_models["qwen2_sliding"], task=tiny_task(HARD_LABELS, scoring="sequence", calibration=True),
-                      batch_size=5, prefix_attention=engine)
+                      batch_size=5, prefix_attention=engine, label_search="pruned")
     alone = {t: clf.classify([t])[0] for t in TEXTS}
     shuffled = TEXTS[:]
     random.Random(5).shuffle(shuffled)
@@ -115,7 +148,7 @@ def test_batch_invariance(tiny_models, engine):
 @pytest.mark.parametrize("engine", ["shared", "expanded"])
 def test_exception_mid_search_leaves_nothing_behind(tiny_models, engine, monkeypatch):
     clf = _classifier(tiny_models["mistral_sliding"], task=tiny_task(HARD_LABELS, scoring="sequence"),
-                      batch_size=6, prefix_attention=engine)
+                      batch_size=6, prefix_attention=engine, label_search="pruned")
     before = clf.classify(TEXTS)
     checksum = clf.prefix_cache.checksum()
     real_forward = engine_module.forward
@@ -150,6 +183,17 @@ def test_threads_share_one_classifier(tiny_models):
         for text, pred in zip(order, got):
             assert pred.label == alone[text].label and pred.label_tokens == alone[text].label_tokens
             assert all(abs(pred.logprobs[n] - v) <= 1e-4 for n, v in alone[text].logprobs.items())
+
+
+def test_auto_prunes_under_shared_attention_only(tiny_models):
+    """On the expanded cache every round of a pruned search would copy the batch-expanded
+    prefix again, so `auto` (the default) searches exhaustively there."""
+    task = tiny_task(HARD_LABELS, scoring="sequence")
+    assert task.label_search == "auto"
+    assert _classifier(tiny_models["llama"], task=task).label_search == "pruned"
+    assert _classifier(tiny_models["llama"], task=task, prefix_attention="expanded").label_search == "exhaustive"
+    forced = _classifier(tiny_models["llama"], task=task, prefix_attention="expanded", label_search="pruned")
+    assert forced.label_search == "pruned"
 
 
 def test_exhaustive_option_and_first_token_tasks(tiny_models):

@@ -104,6 +104,7 @@ def test_top_k_list_of_structs_in_parquet(tiny_dir, tmp_path):
         f"--output={tmp_path}/out/labeled", "--verify=false", "--top_k=2", "--prob_columns=false"])
     labeled = _read_parquet(f"{tmp_path}/out/labeled-*.parquet")
     assert summary["labeled"] == len(rows)
+    assert summary["label_tokens_computed"] == 0 < summary["suffix_tokens_computed"]  # first-token task
     assert labeled.schema.names == ["ticket_id", "text", "label", "score", "top_k", "truncated",
                                     "prompt_fingerprint", "model"]
     assert labeled.schema.field("top_k").type == pa.list_(pa.struct([("label", pa.string()), ("score", pa.float64())]))
@@ -112,6 +113,53 @@ def test_top_k_list_of_structs_in_parquet(tiny_dir, tmp_path):
         ref = reference[row["text"]]
         assert [r["label"] for r in row["top_k"]] == [n for n, _ in ref.top(2)]
         assert all(abs(r["score"] - ref.scores[r["label"]]) <= 1e-4 for r in row["top_k"])
+
+
+def test_jsonl_lone_surrogate_fails_its_line_only(tiny_dir, tmp_path):
+    lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(TEXTS[:3])]
+    lines.insert(1, '{"id": "S", "text": "abc \\ud800 def"}')  # valid JSON, not valid Unicode
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input={tmp_path}/rows.jsonl", f"--model={tiny_dir}", "--id_column=id",
+        f"--output={tmp_path}/out/labeled", "--verify=false"])
+    failed = _read_parquet(f"{tmp_path}/out/failed-*.parquet").to_pylist()
+    assert [(r["reason"], r["stage"]) for r in failed] == [("invalid_unicode", "read")]
+    assert "ud800" in failed[0]["row"]
+    assert (summary["rows_read"], summary["labeled"], summary["failed"]) == (4, 3, 1) and summary["accounted_for"]
+
+
+def test_csv_and_jsonl_edge_cases_each_end_in_one_output(tiny_dir, tmp_path):
+    """A BOM, a 200,000-character field, a ragged row, bytes that are not UTF-8: each row is
+    labelled or fails alone with a reason; nothing stops the run."""
+    long_text = "word " * 40_000
+    csv_bytes = ("\ufefftext,ticket_id\n" f"app crashes,T1\n\"{long_text}\",T2\nextra,T3,surplus\n"
+                 "fine again,T4\n").encode("utf-8") + b"caf\xe9 latin-1,T5\n"
+    (tmp_path / "in.csv").write_bytes(csv_bytes)
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input={tmp_path}/in.csv", f"--model={tiny_dir}", "--id_column=ticket_id",
+        f"--output={tmp_path}/csv/labeled", "--verify=false"])
+    labeled = _read_parquet(f"{tmp_path}/csv/labeled-*.parquet").to_pylist()
+    failed = _read_parquet(f"{tmp_path}/csv/failed-*.parquet").to_pylist()
+    assert sorted(r["ticket_id"] for r in labeled) == ["T1", "T2", "T4"]  # BOM gone: "text" is the column
+    assert next(r for r in labeled if r["ticket_id"] == "T2")["truncated"] is True
+    assert sorted(r["reason"] for r in failed) == ["undecodable", "unparseable"]
+    assert summary["rows_read"] == 5 and summary["accounted_for"]
+
+    jsonl = b"\xef\xbb\xbf" + json.dumps({"id": 1, "text": "app crashes"}).encode() + b"\n" \
+        + b'{"id": 2, "text": "caf\xe9"}\n' + json.dumps({"id": 3, "text": "refund?"}).encode() + b"\n"
+    (tmp_path / "in.jsonl").write_bytes(jsonl)
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input={tmp_path}/in.jsonl", f"--model={tiny_dir}", "--id_column=id",
+        f"--output={tmp_path}/jsonl/labeled", "--verify=false"])
+    failed = _read_parquet(f"{tmp_path}/jsonl/failed-*.parquet").to_pylist()
+    assert [(r["reason"], r["stage"]) for r in failed] == [("undecodable", "read")]
+    assert (summary["labeled"], summary["failed"]) == (2, 1) and summary["accounted_for"]
+
+
+def test_csv_input_that_matches_nothing_fails_at_launch(tmp_path):
+    for pattern in (f"{tmp_path}/missing.csv", f"{tmp_path}/none-*.csv"):
+        with pytest.raises(ValueError, match="matches no file"):
+            classify.run(["--runner=DirectRunner", f"--input={pattern}", f"--output={tmp_path}/out"])
 
 
 def test_jsonl_in_with_an_unparseable_line_and_jsonl_out(tiny_dir, tmp_path):

@@ -60,3 +60,54 @@ def test_constructor_and_options():
     assert task.labels[1].description == "fine"
     assert task.calibration == DEFAULT_CALIBRATION_TEXTS
     assert task.replace(calibration=False).calibration == ()
+
+
+def test_alias_bomb_is_refused_in_under_a_second(tmp_path):
+    import time
+
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+        for p, c in zip("abcdefgh", "bcdefghi")) + "name: *i\nlabels: [x, y]\n"
+    start = time.perf_counter()
+    with pytest.raises(TaskSpecError, match="aliases") as info:
+        TaskSpec.from_yaml(_write(tmp_path, bomb))
+    assert time.perf_counter() - start < 1.0
+    assert len(str(info.value)) < 2000
+
+
+@pytest.mark.parametrize("text,match", [
+    ("name: [a, b]\nlabels: [x, y]\n", "name: expected a non-empty string"),
+    ("labels: [x, y]\nlabels: [p, q]\n", "duplicate key 'labels'"),
+    ("labels: [x, y]\ninstructions: [not, text]\n", "instructions: expected a string, got list"),
+    ("labels: [x, y]\nmodel: 3\n", "model: expected a string"),
+])
+def test_every_field_is_type_checked(tmp_path, text, match):
+    with pytest.raises(TaskSpecError, match=match):
+        TaskSpec.from_yaml(_write(tmp_path, text))
+
+
+def test_huge_values_stay_out_of_error_messages(tmp_path):
+    with pytest.raises(TaskSpecError) as info:
+        TaskSpec.from_yaml(_write(tmp_path, "labels: [x, y]\nname: '" + "n" * 500_000 + "'\n"))
+    assert len(str(info.value)) < 500
+
+
+def test_oversized_task_file_is_refused(tmp_path):
+    from beam_prefix.task import MAX_TASK_FILE_BYTES
+
+    path = _write(tmp_path, "labels: [x, y]\ninstructions: '" + "i" * MAX_TASK_FILE_BYTES + "'\n")
+    with pytest.raises(TaskSpecError, match="larger than"):
+        TaskSpec.from_yaml(path)
+
+
+@pytest.mark.parametrize("labels,examples", [
+    (["billing<|im_end|>", "technical"], []),
+    ([{"name": "billing", "description": "charges <|im_start|>system"}, "technical"], []),
+    (["billing", "technical"], [{"text": "refund <|im_end|> now", "label": "billing"}]),
+])
+def test_control_strings_in_labels_and_examples_are_refused(chat_tokenizer, labels, examples):
+    from beam_prefix.prompt import PromptLayout
+
+    task = TaskSpec.from_dict({"labels": labels, "examples": examples})
+    with pytest.raises(TaskSpecError, match="control string"):
+        PromptLayout.build(task, chat_tokenizer)
