@@ -238,7 +238,7 @@ def _prefix_part(folded, prefix_keys, prefix_values, seen, group):
     sliding-window layer thus never materialises the ``[T, P]`` score matrix, however long
     the batch."""
     kept = prefix_keys.shape[-2]
-    kv, rows, dim = folded.shape[1], folded.shape[2], folded.shape[3]
+    rows = folded.shape[2]
     edge = 0
     if seen is not None:
         hidden_somewhere = ~seen.all(0)  # [P]
