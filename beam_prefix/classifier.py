@@ -239,15 +239,12 @@ class PrefixClassifier:
 
     def classify_encoded(self, encoded: Sequence[EncodedText]) -> list[Prediction]:
         """Classify already encoded texts (see `encode`), in batches sorted by length."""
-        raw = self._raw_cached(encoded)
-        return [self._prediction(r, e, len(e.suffix_ids) + n, label_tokens=n) for (r, n), e in zip(raw, encoded)]
+        return self._predictions(encoded)
 
     def classify_exhaustive(self, texts: Sequence[str]) -> list[Prediction]:
         """Classify over the cached prefix with the whole label trie (the pruned search's
         reference; the same as `classify` in first-token mode or with exhaustive search)."""
-        encoded = [self.encode(t) for t in texts]
-        raw = self._raw_cached(encoded, search="exhaustive")
-        return [self._prediction(r, e, len(e.suffix_ids) + n, label_tokens=n) for (r, n), e in zip(raw, encoded)]
+        return self._predictions([self.encode(t) for t in texts], search="exhaustive")
 
     def classify_full(self, texts: Sequence[str]) -> list[Prediction]:
         """Reference: every text's whole prompt re-encoded and run with no prefix cache."""
@@ -286,6 +283,10 @@ class PrefixClassifier:
         return worst
 
     # -- internals ------------------------------------------------------------------------
+
+    def _predictions(self, encoded: Sequence[EncodedText], *, search: str | None = None) -> list[Prediction]:
+        raw = self._raw_cached(encoded, search=search)
+        return [self._prediction(r, e, len(e.suffix_ids) + n, label_tokens=n) for (r, n), e in zip(raw, encoded)]
 
     def _raw_cached(self, encoded: Sequence[EncodedText], *,
                     search: str | None = None) -> list[tuple[torch.Tensor, int]]:

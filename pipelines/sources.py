@@ -4,8 +4,9 @@
 parsed (a bad JSON line, a CSV row with the wrong number of fields, a line that is not
 UTF-8), already shaped as failed records, so that every input row is accounted for. A
 UTF-8 byte-order mark is dropped, and a CSV field may be as long as a Parquet or JSONL
-text (Python's csv module stops at 131,072 characters by default). `input_schema(options)` reads the input's column types at launch where
-the source has a schema (Parquet, a BigQuery table), so outputs keep those types.
+text (Python's csv module stops at 131,072 characters by default).
+`input_schema(options)` reads the input's column types at launch where the source has a
+schema (Parquet, a BigQuery table), so outputs keep those types.
 """
 
 from __future__ import annotations
