@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 import torch
 
 from beam_prefix.attention import enable_shared_prefix
-from beam_prefix.errors import RowError, VerificationError
+from beam_prefix.errors import ContextLengthError, RowError, VerificationError
 from beam_prefix.label_search import search_labels
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache
@@ -126,6 +126,7 @@ class PrefixClassifier:
         self.batch_size = batch_size
         self.max_batch_tokens = max_batch_tokens
         self._lock = threading.Lock()
+        self.last_check: dict[str, float] | None = None  # the latest `verify`'s timings
         if _shared is not None:  # fork: share the read-only parts
             self.layout, self.mode, self.head = _shared.layout, _shared.mode, _shared.head
             self.trie, self._first_ids = _shared.trie, _shared._first_ids
@@ -133,11 +134,13 @@ class PrefixClassifier:
             self.fingerprint, self.atol = _shared.fingerprint, _shared.atol
             self.prefix_attention = _shared.prefix_attention
             self.label_search = _shared.label_search
+            self.startup = _shared.startup
             self._working = self._new_working()
             return
         dtype = next(self.model.parameters()).dtype
         self.atol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
         self.layout = PromptLayout.build(task, self.tokenizer)
+        _check_context(self.layout, self.model, self.model_id)  # before the prefix's forward allocates
         self.mode = choose_mode(task.scoring, self.layout.label_ids)
         self.head = OutputHead(self.model)
         self._first_ids = torch.tensor([ids[0] for ids in self.layout.label_ids], dtype=torch.long)
@@ -156,8 +159,13 @@ class PrefixClassifier:
                      time.perf_counter() - start)
         if task.calibration:
             self._calibration = self._calibration_vector(task.calibration)
+        # what start-up cost, for run summaries: seconds, and the self-check's ms per row
+        self.startup = {"prefix_build_s": time.perf_counter() - start}
         if verify:
+            start = time.perf_counter()
             self.verify(VERIFY_PROBES)
+            self.startup["self_check_s"] = time.perf_counter() - start
+            self.startup.update(self.last_check)
 
     @classmethod
     def load(cls, task: TaskSpec | str | os.PathLike, model: str | None = None, *,
@@ -265,8 +273,13 @@ class PrefixClassifier:
             VerificationError: naming the texts whose label or scores disagree.
         """
         texts = list(texts)
+        start = time.perf_counter()
         cached = self.classify(texts)
+        middle = time.perf_counter()
         references = [("full re-encoding", self.classify_full(texts))]
+        end = time.perf_counter()
+        self.last_check = {"cached_ms_per_row": 1e3 * (middle - start) / max(len(texts), 1),
+                           "full_ms_per_row": 1e3 * (end - middle) / max(len(texts), 1)}
         if self.label_search == "pruned":
             references.append(("exhaustive label search", self.classify_exhaustive(texts)))
         worst = 0.0
@@ -278,8 +291,9 @@ class PrefixClassifier:
                     f"cached scoring disagrees with {name} on {len(bad)} of {len(texts)} "
                     f"texts (max probability difference {diff:.2e}, tolerance {self.atol:.0e}): "
                     f"{[t[:60] for t in bad]}", bad)
-        _LOGGER.info("verify: cached (%s label search) == %s on %d texts (max diff %.1e)", self.label_search,
-                     " and ".join(name for name, _ in references), len(texts), worst)
+        _LOGGER.info("verify: cached (%s label search) == %s on %d texts (max diff %.1e); cached %.1f ms/row, "
+                     "full re-encoding %.1f ms/row", self.label_search, " and ".join(name for name, _ in references),
+                     len(texts), worst, self.last_check["cached_ms_per_row"], self.last_check["full_ms_per_row"])
         return worst
 
     # -- internals ------------------------------------------------------------------------
@@ -349,6 +363,23 @@ class PrefixClassifier:
         _LOGGER.info("calibration over %d content-free texts: %s", len(texts),
                      {n: round(math.exp(v), 3) for n, v in zip(self.task.label_names, vector.tolist())})
         return vector
+
+
+def _check_context(layout: PromptLayout, model, model_id: str) -> None:
+    """Refuse a prompt longer than the model's positions (past them a model extrapolates,
+    or fails, and a huge prefix makes one huge allocation)."""
+    config = model.config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    parts = layout.max_positions()
+    need = sum(parts.values())
+    if limit and need > limit:
+        room = limit - parts["prefix"] - parts["suffix"] - parts["label"]
+        fix = (f"lower max_text_tokens to {room} or less" if room >= 1 else
+               "shorten the instructions, label descriptions or examples")
+        raise ContextLengthError(
+            f"task {layout.task.name!r}: a row's prompt can take {need:,} positions (prefix {parts['prefix']:,} + "
+            f"suffix template {parts['suffix']} + text budget {parts['text']:,} + longest label {parts['label']}), "
+            f"over the {limit:,} of model {model_id} (max_position_embeddings); {fix}")
 
 
 def _disagreements(texts, cached: Sequence[Prediction], reference: Sequence[Prediction],

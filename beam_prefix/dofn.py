@@ -70,6 +70,9 @@ class ClassifyConfig:
             ``[{"label": str, "score": float}, ...]`` (None or 0: no such column).
         prob_columns: one ``prob_<label>`` column per label; None (default): on for
             tasks of at most `PROB_COLUMNS_MAX_LABELS` labels.
+        keep_columns: the input columns copied to each labelled row (None, default: all
+            of them). An input column that an output column would overwrite is refused:
+            here when named in `keep_columns`, per row (reason ``column_clash``) otherwise.
     """
 
     task: TaskSpec
@@ -82,6 +85,7 @@ class ClassifyConfig:
     verify: bool = True
     top_k: int | None = None
     prob_columns: bool | None = None
+    keep_columns: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.prob_columns is None:
@@ -96,6 +100,19 @@ class ClassifyConfig:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if not self.top_k:
             object.__setattr__(self, "top_k", None)
+        if self.keep_columns is not None:
+            if isinstance(self.keep_columns, str) or not all(isinstance(c, str) for c in self.keep_columns):
+                raise ValueError(f"keep_columns must be a sequence of column names, got {self.keep_columns!r}")
+            object.__setattr__(self, "keep_columns", tuple(dict.fromkeys(self.keep_columns)))
+            clash = self.clashing(self.keep_columns)
+            if clash:
+                raise ValueError(f"keep_columns {clash} would be overwritten by output columns of the same "
+                                 f"name; leave them out (or rename them before ClassifyText)")
+
+    def clashing(self, columns) -> list[str]:
+        """The names among `columns` that an output column would overwrite."""
+        added = set(self.output_columns)
+        return [c for c in columns if c in added]
 
     @property
     def output_columns(self) -> list[str]:
@@ -130,6 +147,10 @@ class _ModelHolder:
         self._lock = threading.Lock()
         self._classifiers: dict[str, PrefixClassifier] = {}
         self._progress: dict[str, ProgressLog] = {}
+        # start-up costs not yet reported as metrics (setup() runs outside a bundle, where
+        # Beam does not record metrics, so the next process() reports them)
+        self._startup: list[dict[str, float]] = []
+        self._model_load_s = loaded.load_s
 
     def classifier_for(self, config: ClassifyConfig) -> PrefixClassifier:
         with self._lock:  # the prefix cache of a task is built once per process
@@ -139,8 +160,16 @@ class _ModelHolder:
                                         batch_size=config.batch_size, verify=config.verify)
                 self._classifiers[config.task_key] = base
                 self.prefix_builds += 1
+                self._startup.append({"model_load_s": self._model_load_s, **base.startup})
+                self._model_load_s = 0.0  # one load per process, however many tasks
             self.forks += 1
         return base.fork()
+
+    def take_startup(self) -> list[dict[str, float]]:
+        """Start-up reports not yet taken (each is taken once, by one DoFn)."""
+        with self._lock:
+            taken, self._startup = self._startup, []
+        return taken
 
     def progress_for(self, name: str) -> ProgressLog:
         """One progress line per step and worker process, fed by all its threads."""
@@ -171,10 +200,13 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         self._prob_columns = [prob_column(n) for n in self.config.task.label_names] if self.config.prob_columns else []
 
     def process(self, batch: Iterable[Any]):
+        for report in self._holder.take_startup():
+            self._metrics.report_startup(report)
         rows = [_as_dict(r, self.config.text_column) for r in batch]
         good, encoded = [], []
         for row in rows:
             try:
+                self._check_columns(row)
                 encoded.append(self._clf.encode(self._text_of(row)))
                 good.append(row)
             except RowError as e:
@@ -218,6 +250,14 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         self._clf = None
         self._holder = None
 
+    def _check_columns(self, row: Mapping[str, Any]) -> None:
+        if self.config.keep_columns is None:  # the whole row is copied: nothing may be overwritten
+            clash = self.config.clashing(row)
+            if clash:
+                raise RowError(f"input columns {clash[:10]} would be overwritten by the output columns of "
+                               f"the same name; rename them, or pass keep_columns without them",
+                               reason="column_clash")
+
     def _text_of(self, row: Mapping[str, Any]):
         if self.config.text_column not in row:
             columns = sorted(map(str, row))  # keys may be None (ragged CSV) or ints
@@ -226,7 +266,8 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         return row[self.config.text_column]
 
     def _labeled(self, row: dict, pred) -> dict:
-        out = dict(row)
+        keep = self.config.keep_columns
+        out = dict(row) if keep is None else {c: row.get(c) for c in keep}
         out["label"] = pred.label
         out["score"] = pred.score
         for column, name in zip(self._prob_columns, self.config.task.label_names):

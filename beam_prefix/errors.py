@@ -9,6 +9,7 @@ __all__ = [
     "TaskSpecError",
     "BoundaryError",
     "ModelLoadError",
+    "ContextLengthError",
     "RowError",
     "TextTooLongError",
     "VerificationError",
@@ -29,6 +30,10 @@ class BoundaryError(BeamPrefixError, ValueError):
 
 class ModelLoadError(BeamPrefixError, RuntimeError):
     """The model or tokenizer cannot be loaded."""
+
+
+class ContextLengthError(BeamPrefixError, ValueError):
+    """The task's prompt (prefix, suffix template, text budget, labels) does not fit the model's context."""
 
 
 class RowError(BeamPrefixError, ValueError):

@@ -11,7 +11,7 @@ import time
 
 from apache_beam.metrics import Metrics
 
-__all__ = ["ClassifyMetrics", "ProgressLog", "NAMESPACE"]
+__all__ = ["ClassifyMetrics", "ProgressLog", "NAMESPACE", "STARTUP_METRICS"]
 
 NAMESPACE = "beam_prefix"
 _LOGGER = logging.getLogger(__name__)
@@ -32,6 +32,24 @@ class ClassifyMetrics:
         self.batch_size = Metrics.distribution(NAMESPACE, "batch_size_rows")
         self.batch_latency = Metrics.distribution(NAMESPACE, "batch_latency_micros")
         self.model_retries = Metrics.counter(NAMESPACE, "batches_retried_row_by_row")
+        # once per prefix cache built (per worker process and task): what start-up cost
+        self.startup = {name: Metrics.distribution(NAMESPACE, metric) for name, metric in STARTUP_METRICS.items()}
+
+    def report_startup(self, report: dict[str, float]) -> None:
+        """Record one prefix build's start-up costs (s as ms, ms per row as us)."""
+        for name, value in report.items():
+            if name in self.startup:
+                self.startup[name].update(int(round(value * 1e3)))
+
+
+# start-up report keys -> distribution names (`*_s` in ms; `*_ms_per_row` in us)
+STARTUP_METRICS = {
+    "model_load_s": "startup_model_load_ms",
+    "prefix_build_s": "startup_prefix_build_ms",
+    "self_check_s": "startup_self_check_ms",
+    "cached_ms_per_row": "self_check_cached_us_per_row",
+    "full_ms_per_row": "self_check_full_us_per_row",
+}
 
 
 class ProgressLog:

@@ -51,6 +51,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     model_id: str
+    load_s: float = 0.0  # seconds `load_model` took (a first use includes the one-time conversion)
 
 
 def cache_root() -> str:
@@ -110,7 +111,8 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
         loaded = _from_directory(spec, spec, trust_remote_code=trust_remote_code)
     loaded.model.to(_DTYPES[dtype])
     loaded.model.eval()
-    _LOGGER.info("loaded model %s (%s) in %.1f s", loaded.model_id, dtype, time.perf_counter() - start)
+    loaded.load_s = time.perf_counter() - start
+    _LOGGER.info("loaded model %s (%s) in %.1f s", loaded.model_id, dtype, loaded.load_s)
     return loaded
 
 

@@ -274,6 +274,15 @@ class PromptLayout:
     def prefix_length(self) -> int:
         return len(self.prefix_ids)
 
+    def max_positions(self) -> dict[str, int]:
+        """The most positions one row's prompt takes, by part: ``prefix``, ``suffix`` (the
+        template's static text around the row), ``text`` (the budget, `max_text_tokens`)
+        and ``label`` (the longest label continuation scored after the suffix)."""
+        probe = "x"
+        static = len(self.suffix_for(probe)) - len(self._encode_plain(probe))
+        return {"prefix": self.prefix_length, "suffix": max(static, 0), "text": self.task.max_text_tokens,
+                "label": max((len(ids) for ids in self.label_ids), default=0)}
+
     def fingerprint(self, model_id: str) -> str:
         """A stable hash of everything that shapes the scores: exact prefix ids, the static
         suffix parts, the label continuations and the model id."""

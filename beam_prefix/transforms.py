@@ -45,6 +45,10 @@ class ClassifyText(beam.PTransform):
             ``{"label", "score"}`` records, best first.
         prob_columns: one ``prob_<label>`` column per label (default: for tasks of at
             most 32 labels).
+        keep_columns: input columns copied to each labelled row (default: all). Input
+            columns that output columns would overwrite (``label``, ``score``, ...) are
+            refused: a `ValueError` here when named in `keep_columns` or declared by the
+            input's schema, else a failed row with reason ``column_clash``.
 
     Returns:
         a `DoOutputsTuple` with ``labeled`` and ``failed`` PCollections.
@@ -57,7 +61,7 @@ class ClassifyText(beam.PTransform):
                  batch_size: int = 16, max_text_tokens: int | None = None, overflow: str | None = None,
                  calibration=None, verify: bool = True, label_search: str | None = None,
                  label_tolerance: float | None = None, top_k: int | None = None,
-                 prob_columns: bool | None = None, label: str | None = None):
+                 prob_columns: bool | None = None, keep_columns=None, label: str | None = None):
         super().__init__(label)
         if not isinstance(task, TaskSpec):
             task = TaskSpec.from_yaml(task)
@@ -78,7 +82,8 @@ class ClassifyText(beam.PTransform):
         self._config = ClassifyConfig(task=task, model=model or task.model or EMBEDDED,
                                       text_column=text_column, id_column=id_column, dtype=dtype,
                                       threads=threads, batch_size=batch_size, verify=verify,
-                                      top_k=top_k, prob_columns=prob_columns)
+                                      top_k=top_k, prob_columns=prob_columns,
+                                      keep_columns=None if keep_columns is None else tuple(keep_columns))
         self._min_batch_size = min_batch_size
         self._max_batch_size = max_batch_size
 
@@ -87,6 +92,12 @@ class ClassifyText(beam.PTransform):
         return self._config
 
     def expand(self, rows):
+        fields = _schema_fields(rows.element_type)
+        if fields and self._config.keep_columns is None:
+            clash = self._config.clashing(fields)
+            if clash:
+                raise ValueError(f"{self.label}: input fields {clash} would be overwritten by output columns of "
+                                 f"the same name; rename them, or pass keep_columns without them")
         return (
             rows
             | "Batch" >> beam.BatchElements(min_batch_size=self._min_batch_size,
@@ -94,3 +105,13 @@ class ClassifyText(beam.PTransform):
             | "Classify" >> beam.ParDo(PrefixCachedClassifyDoFn(self._config, step_name=self.label))
             .with_outputs(FAILED_TAG, main=LABELED_TAG)
         )
+
+
+def _schema_fields(element_type) -> list[str]:
+    """Field names of a schema'd element type (`beam.Row`, NamedTuple), else []."""
+    from apache_beam.typehints import schemas
+
+    try:
+        return [name for name, _ in schemas.named_fields_from_element_type(element_type)]
+    except Exception:  # noqa: BLE001 - Any, dict, str...: no schema to check
+        return []

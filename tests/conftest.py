@@ -51,6 +51,8 @@ BANKING_LABELS = ["card_arrival", "card_linking", "card_payment_fee_charged", "c
 
 
 def tiny_task(labels=("billing", "technical", "account"), **changes) -> TaskSpec:
+    """The shipped support task, uncalibrated unless asked, with other labels if given."""
+    changes.setdefault("calibration", False)
     base = TaskSpec.from_yaml(SUPPORT_TASK)
     if tuple(labels) != base.label_names:
         base = base.replace(labels=tuple(labels), examples=())
@@ -79,7 +81,7 @@ def _tiny(arch: str, vocab: int):
 
     torch.manual_seed(0)
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   initializer_range=0.15, tie_word_embeddings=False)
     if arch == "llama":
         config = LlamaConfig(**common)
@@ -88,7 +90,7 @@ def _tiny(arch: str, vocab: int):
     elif arch == "mistral_sliding":  # every layer a sliding window of 24, shorter than the prefix
         config = MistralConfig(**common, sliding_window=24)
     elif arch == "gpt2":  # absolute position embeddings
-        config = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=3, n_head=4, n_positions=2048,
+        config = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=3, n_head=4, n_positions=4096,
                             initializer_range=0.15, bos_token_id=0, eos_token_id=0)
     else:
         raise ValueError(arch)

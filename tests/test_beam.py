@@ -344,3 +344,39 @@ def test_a_row_that_raises_anything_fails_alone(tiny_dir, monkeypatch):
     out = list(dofn.process(GOOD[:2]))
     assert [(o.value["reason"], o.value["error"]) for o in out] == [
         ("invalid_row", "KeyError: 'tokenizer blew up'")] * 2
+
+
+def test_input_columns_that_outputs_would_overwrite_are_refused(tiny_dir):
+    """A dict row with a `label` (say, a gold label) fails `column_clash` instead of being
+    silently overwritten; `keep_columns` leaves such columns out; a schema'd input or a
+    `keep_columns` naming an output column is refused when the pipeline is built."""
+    rows = [{"ticket_id": "T0", "text": TEXTS[0], "label": "billing"},
+            {"ticket_id": "T1", "text": TEXTS[1], "prob_billing": 0.5},
+            {"ticket_id": "T2", "text": TEXTS[2], "channel": "email"}]
+    labeled, failed, _ = _run(tiny_dir, _task(), rows)
+    assert [r["ticket_id"] for r in labeled] == ["T2"]
+    assert sorted((r["id"], r["reason"]) for r in failed) == [("T0", "column_clash"), ("T1", "column_clash")]
+    assert "'label'" in next(r for r in failed if r["id"] == "T0")["error"]
+
+    labeled, failed, _ = _run(tiny_dir, _task(), rows, keep_columns=["ticket_id", "text"])
+    assert failed == [] and len(labeled) == 3
+    assert {tuple(sorted(r)) for r in labeled} == {tuple(sorted(
+        ["ticket_id", "text", "label", "score", "truncated", "prompt_fingerprint", "model"]
+        + [prob_column(n) for n in LABELS]))}
+    gold_row = next(r for r in labeled if r["ticket_id"] == "T0")
+    assert gold_row["label"] in LABELS  # the prediction
+
+    with pytest.raises(ValueError, match=r"keep_columns \['score'\]"):
+        ClassifyText(task=_task(), keep_columns=["text", "score"])
+    with pytest.raises(ValueError, match=r"input fields \['label'\]"):
+        with beam.Pipeline() as p:
+            _ = p | beam.Create([beam.Row(text="x", label="y")]) | ClassifyText(task=_task(), model=tiny_dir)
+
+
+def test_startup_costs_are_reported_once_per_prefix_build(tiny_dir, tmp_path):
+    _, _, run = _run(_unique_model_path(tiny_dir, tmp_path), _task(), GOOD[:4])
+    dists = {d.key.metric.name: d.committed
+             for d in run.metrics().query(MetricsFilter().with_namespace("beam_prefix"))["distributions"]}
+    for name in ("startup_model_load_ms", "startup_prefix_build_ms", "startup_self_check_ms",
+                 "self_check_cached_us_per_row", "self_check_full_us_per_row"):
+        assert dists[name].count == 1 and dists[name].min > 0, name

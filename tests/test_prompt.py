@@ -109,3 +109,20 @@ def test_fingerprint_tracks_prompt_model_and_labels(chat_tokenizer):
     assert changed.fingerprint("m") != base.fingerprint("m")
     relabeled = PromptLayout.build(tiny_task(labels=("billing", "tech", "account")), chat_tokenizer)
     assert relabeled.fingerprint("m") != base.fingerprint("m")
+
+
+def test_a_prompt_over_the_models_context_is_refused_at_load(tiny_models):
+    from beam_prefix import PrefixClassifier
+    from beam_prefix.errors import ContextLengthError
+
+    from conftest import tiny_task
+
+    loaded = tiny_models["llama"]  # 4,096 positions
+    long_instructions = tiny_task(instructions="Read the ticket carefully. " * 1200)
+    with pytest.raises(ContextLengthError, match=r"over the 4,096 of model .*shorten the instructions"):
+        PrefixClassifier(task=long_instructions, loaded=loaded, verify=False)
+    big_budget = tiny_task(max_text_tokens=5000)
+    with pytest.raises(ContextLengthError, match=r"text budget 5,000 .*lower max_text_tokens to \d+ or less"):
+        PrefixClassifier(task=big_budget, loaded=loaded, verify=False)
+    fits = tiny_task(max_text_tokens=1024)
+    assert PrefixClassifier(task=fits, loaded=loaded, verify=False).prefix_length < 4096
