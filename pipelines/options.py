@@ -16,12 +16,13 @@ from beam_prefix.model import EMBEDDED
 from beam_prefix.task import TaskSpec
 from beam_prefix.transforms import ClassifyText
 
-__all__ = ["ClassifyOptions", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS",
+__all__ = ["ClassifyOptions", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS_DIR = os.path.join(_HERE, "tasks")
 SAMPLE_TICKETS = os.path.join(_HERE, "data", "sample_tickets.parquet")
+SAMPLE_GOLD_COLUMN = "label"  # the sample's hand-assigned labels
 DEFAULT_TASK = "support_tickets"
 INPUT_FORMATS = ("parquet", "jsonl", "csv")
 OUTPUT_FORMATS = ("parquet", "jsonl")
@@ -68,7 +69,8 @@ class ClassifyOptions(PipelineOptions):
                              "with --output_table unless given).")
         io.add_argument("--eval_label_column", default=None,
                         help="Column with gold labels: the summary then reports accuracy and writes a "
-                             "confusion-matrix PNG beside the summary.")
+                             "confusion-matrix PNG beside the summary (default for the shipped sample: "
+                             "its 'label' column).")
 
         model = parser.add_argument_group("model and task")
         model.add_argument("--task", default=DEFAULT_TASK,
@@ -149,8 +151,9 @@ def validate(options: PipelineOptions) -> None:
         raise ValueError("--bigquery_read_method=EXPORT needs --temp_location")
 
 
-def classify_transform(options: PipelineOptions) -> ClassifyText:
-    """The `ClassifyText` the flags describe (the task file is read here, in the launcher)."""
+def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyText:
+    """The `ClassifyText` the flags describe (the task file is read here, in the launcher);
+    `keep_columns`: the input columns its labelled rows carry (default: all)."""
     o = options.view_as(ClassifyOptions)
     task = TaskSpec.from_yaml(task_path(o.task))
     calibration = None if o.calibration is None else o.calibration == "true"
@@ -159,4 +162,5 @@ def classify_transform(options: PipelineOptions) -> ClassifyText:
                         max_batch_size=o.max_batch_size, batch_size=o.batch_size,
                         max_text_tokens=o.max_text_tokens, overflow=o.overflow, calibration=calibration,
                         verify=o.verify == "true", label_search=o.label_search, top_k=o.top_k,
-                        prob_columns=None if o.prob_columns is None else o.prob_columns == "true")
+                        prob_columns=None if o.prob_columns is None else o.prob_columns == "true",
+                        keep_columns=keep_columns)

@@ -7,8 +7,8 @@ BigQuery), ``truncated``, ``prompt_fingerprint`` and ``model``. Failed rows: ``i
 ``stage`` and ``row`` (the whole input row as JSON text). One Arrow schema describes each
 output; the BigQuery schema is derived from it, so every sink writes the same columns.
 
-File sinks are Beam's (temporary files, renamed into place when the write finalizes):
-a run that fails leaves no partial final files.
+File sinks are Beam's; `pipelines.classify` points them at a staging directory and
+publishes the files only when the whole run succeeded (`pipelines.publish`).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.
     o = options.view_as(ClassifyOptions)
     if o.columns_to_keep and o.columns_to_keep.strip() == "*":
         if schema is None:
-            raise ValueError("--columns_to_keep='*' needs an input whose schema is known at launch "
-                             "(Parquet or a BigQuery table); list the columns instead")
+            raise ValueError("--columns_to_keep='*' needs an input whose columns are known at launch "
+                             "(Parquet, CSV or a BigQuery table); list the columns instead")
         names = list(schema.names)
     elif o.columns_to_keep:
         names = [c.strip() for c in o.columns_to_keep.split(",") if c.strip()]
@@ -184,6 +184,12 @@ class Destination:
 
     def __init__(self, *, path: str | None = None, fmt: str = "parquet", table: str | None = None):
         self.path, self.fmt, self.table = path, fmt, table
+
+    def staged(self, staging) -> "Destination":
+        """This destination with its files written under `staging` (a `publish.Staging`)."""
+        if self.table:
+            return self
+        return Destination(path=staging.path(self.path), fmt=self.fmt)
 
     def describe(self) -> str:
         if self.table:

@@ -163,15 +163,10 @@ def read_rows(p, options: PipelineOptions):
         # Read here, not on workers: the package's files sit at a path workers may not share.
         return p | "SampleTickets" >> beam.Create(pq.read_table(SAMPLE_TICKETS).to_pylist()), none
     fmt = input_format(options)
+    _first_match(o.input)  # every kind fails the same clear way, at launch, when nothing matches
     if fmt == "parquet":
         return p | "ReadParquet" >> beam.io.ReadFromParquet(o.input), none
     if fmt == "csv":
-        try:  # fail at launch when nothing matches, as Parquet and JSONL inputs do
-            matched = FileSystems.match([o.input])[0].metadata_list
-        except Exception as e:  # noqa: BLE001 - each filesystem raises its own kind
-            raise ValueError(f"--input={o.input!r} cannot be listed: {e}") from e
-        if not matched:
-            raise ValueError(f"--input={o.input!r} matches no file")
         parsed = (p | "MatchCsv" >> fileio.MatchFiles(o.input) | "OpenCsv" >> fileio.ReadMatches()
                   | "ParseCsv" >> beam.ParDo(_ParseCsv()).with_outputs(FAILED_TAG, main="rows"))
         return parsed.rows, parsed[FAILED_TAG]
@@ -194,15 +189,36 @@ def input_schema(options: PipelineOptions) -> pa.Schema | None:
     o = options.view_as(ClassifyOptions)
     if o.input_table:
         return _bigquery_table_schema(o.input_table, options.view_as(GoogleCloudOptions).project)
-    if o.input_query or input_format(options) != "parquet":
-        return None
+    fmt = input_format(options)
+    if o.input_query or fmt == "jsonl":
+        return None  # JSONL has no header: columns are known only row by row
     if not o.input:
         return pq.read_schema(SAMPLE_TICKETS)
-    matches = FileSystems.match([o.input])[0].metadata_list
-    if not matches:
-        raise ValueError(f"--input={o.input!r} matches no file")
-    with FileSystems.open(sorted(m.path for m in matches)[0]) as f:
+    with FileSystems.open(_first_match(o.input)) as f:
+        if fmt == "csv":  # every CSV value is a string; the header names the columns
+            return pa.schema([pa.field(name, pa.string()) for name in _csv_header(f)])
         return pq.read_schema(f)  # reads the footer only
+
+
+def _first_match(pattern: str) -> str:
+    """The first file `pattern` matches; a clear error when it matches none."""
+    try:
+        matches = FileSystems.match([pattern])[0].metadata_list
+    except Exception as e:  # noqa: BLE001 - each filesystem raises its own kind
+        raise ValueError(f"--input={pattern!r} cannot be listed: {e}") from e
+    if not matches:
+        raise ValueError(f"--input={pattern!r} matches no file")
+    return sorted(m.path for m in matches)[0]
+
+
+def _csv_header(f) -> list[str]:
+    text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
+    try:
+        header = next(csv.reader(text), [])
+    except csv.Error:
+        header = []
+    text.detach()
+    return [name.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for name in header]
 
 
 def _bigquery_table_schema(table: str, project: str | None) -> pa.Schema | None:

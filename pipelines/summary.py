@@ -90,6 +90,46 @@ def _counters(result, namespace: str) -> dict[str, int]:
     return out
 
 
+def _distributions(result, namespace: str) -> dict[str, dict[str, int]]:
+    """{name: {sum, count, min, max}} of the distributions in `namespace`."""
+    out: dict[str, dict[str, int]] = {}
+    for d in result.metrics().query(MetricsFilter().with_namespace(namespace))["distributions"]:
+        try:
+            value = d.committed
+        except Exception:  # some runners only report attempted values
+            value = None
+        value = value if value is not None else d.attempted
+        if value is None or not value.count:
+            continue
+        seen = out.setdefault(d.key.metric.name, {"sum": 0, "count": 0, "min": value.min, "max": value.max})
+        seen["sum"] += value.sum
+        seen["count"] += value.count
+        seen["min"], seen["max"] = min(seen["min"], value.min), max(seen["max"], value.max)
+    return out
+
+
+def _timing(lib: dict[str, dict[str, int]], labeled: int) -> dict:
+    """Start-up (slowest worker), classification alone (model time over the rows) and the
+    self-check's cached-vs-full ms per row, from the library's distributions."""
+    def slowest_s(name):
+        return round(lib[name]["max"] / 1e3, 3) if name in lib else None
+
+    out = {"startup": {"model_load_s": slowest_s("startup_model_load_ms"),
+                       "prefix_build_s": slowest_s("startup_prefix_build_ms"),
+                       "self_check_s": slowest_s("startup_self_check_ms"),
+                       "prefix_builds": lib.get("startup_prefix_build_ms", {}).get("count", 0)}}
+    model_s = lib.get("batch_latency_micros", {}).get("sum", 0) / 1e6
+    out["classification"] = {"rows": labeled, "model_s": round(model_s, 3),
+                             "rows_per_s": round(labeled / model_s, 2) if model_s else None,
+                             "ms_per_row": round(1e3 * model_s / labeled, 2) if labeled else None}
+    cached, full = lib.get("self_check_cached_us_per_row"), lib.get("self_check_full_us_per_row")
+    if cached and full:
+        c, f = cached["sum"] / cached["count"] / 1e3, full["sum"] / full["count"] / 1e3
+        out["self_check"] = {"cached_ms_per_row": round(c, 2), "full_ms_per_row": round(f, 2),
+                             "speedup": round(f / c, 2) if c else None}
+    return out
+
+
 def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str, str],
               model: str, task: str, eval_label_column: str | None) -> dict:
     """The summary dict of a finished run (counts, label counts, rates, outputs)."""
@@ -108,6 +148,7 @@ def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str
         "suffix_tokens_computed": lib.get("suffix_tokens_computed", 0),
         "label_tokens_computed": lib.get("label_tokens_computed", 0),
         "rows_truncated": lib.get("rows_truncated", 0),
+        **_timing(_distributions(result, LIBRARY_NAMESPACE), labeled),
         "outputs": dict(outputs),
     }
     if eval_label_column:
@@ -129,7 +170,7 @@ def format_summary(s: dict) -> str:
     lines = [
         f"rows read {s['rows_read']}: labelled {s['labeled']} + failed {s['failed']}"
         + ("" if s["accounted_for"] else "  (MISMATCH: some rows are unaccounted for)"),
-        f"{s['rows_per_s']} rows/s over {s['wall_s']:.1f} s (including model load and start-up self-check)",
+        *_timing_lines(s),
         f"prefix tokens reused {s['prefix_tokens_reused']:,}; suffix tokens computed "
         f"{s['suffix_tokens_computed']:,}"
         + (f" (of which label tokens {s['label_tokens_computed']:,})" if s.get("label_tokens_computed") else ""),
@@ -147,6 +188,28 @@ def format_summary(s: dict) -> str:
     lines.append("outputs:")
     lines += [f"  {k}: {v}" for k, v in s["outputs"].items()]
     return "\n".join(lines)
+
+
+def _timing_lines(s: dict) -> list[str]:
+    lines = []
+    up = s.get("startup") or {}
+    parts = [(name, up.get(key)) for name, key in (("model load", "model_load_s"), ("prefix cache", "prefix_build_s"),
+                                                   ("self-check", "self_check_s"))]
+    parts = [(name, v) for name, v in parts if v is not None]
+    if parts:
+        slowest = " (slowest worker)" if up.get("prefix_builds", 0) > 1 else ""
+        lines.append(f"start-up {sum(v for _, v in parts):.1f} s{slowest}: "
+                     + ", ".join(f"{name} {v:.1f} s" for name, v in parts))
+    c = s.get("classification") or {}
+    if c.get("rows_per_s"):
+        lines.append(f"classification: {c['rows']} rows in {c['model_s']:.1f} s of model time, "
+                     f"{c['rows_per_s']} rows/s, {c['ms_per_row']} ms/row")
+    check = s.get("self_check")
+    if check and check.get("speedup"):
+        lines.append(f"self-check: cached {check['cached_ms_per_row']:.1f} ms/row vs full re-encoding "
+                     f"{check['full_ms_per_row']:.1f} ms/row ({check['speedup']:.1f}x)")
+    lines.append(f"wall {s['wall_s']:.1f} s, {s['rows_per_s']} rows/s end to end (start-up included)")
+    return lines
 
 
 def write_confusion_png(summary: dict, labels: Sequence[str], path: str) -> None:

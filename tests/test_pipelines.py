@@ -17,7 +17,7 @@ from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.dofn import prob_column
 from beam_prefix.model import load_model
 from pipelines import classify
-from pipelines.options import task_path
+from pipelines.options import SAMPLE_TICKETS, task_path
 from pipelines.sinks import ToOutputRow
 
 from conftest import TEXTS
@@ -156,8 +156,9 @@ def test_csv_and_jsonl_edge_cases_each_end_in_one_output(tiny_dir, tmp_path):
     assert (summary["labeled"], summary["failed"]) == (2, 1) and summary["accounted_for"]
 
 
-def test_csv_input_that_matches_nothing_fails_at_launch(tmp_path):
-    for pattern in (f"{tmp_path}/missing.csv", f"{tmp_path}/none-*.csv"):
+@pytest.mark.parametrize("ext", ["csv", "jsonl", "parquet"])
+def test_input_that_matches_nothing_fails_at_launch(tmp_path, ext):
+    for pattern in (f"{tmp_path}/missing.{ext}", f"{tmp_path}/none-*.{ext}"):
         with pytest.raises(ValueError, match="matches no file"):
             classify.run(["--runner=DirectRunner", f"--input={pattern}", f"--output={tmp_path}/out"])
 
@@ -195,27 +196,83 @@ def test_csv_in_with_gold_labels_reports_accuracy_and_a_confusion_png(tiny_dir, 
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_failure_mid_run_leaves_no_final_output(tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["labelled", "failed"])
+def test_failure_mid_run_leaves_no_files_at_all(tiny_dir, tmp_path, monkeypatch, where):
+    """A failure in the labelled branch or in the failed-rows write (the second output to
+    finalize): nothing is published, no summary, no staging or beam-temp leftovers."""
     inputs = tmp_path / "in"
     inputs.mkdir()
     _write_inputs(inputs)
-    original, seen = ToOutputRow.process, []
+    seen = []
+    if where == "labelled":
+        original = ToOutputRow.process
 
-    def fail_on_fifth_row(self, row):
-        seen.append(row)
-        if len(seen) == 5:
+        def fail_on_fifth_row(self, row):
+            seen.append(row)
+            if len(seen) == 5:
+                raise RuntimeError("injected failure")
+            yield from original(self, row)
+
+        monkeypatch.setattr(ToOutputRow, "process", fail_on_fifth_row)
+    else:
+        def fail_a_failed_row(record):
+            seen.append(record)
             raise RuntimeError("injected failure")
-        yield from original(self, row)
 
-    monkeypatch.setattr(ToOutputRow, "process", fail_on_fifth_row)
+        monkeypatch.setattr(classify, "failed_output_row", fail_a_failed_row)
     with pytest.raises(Exception, match="injected failure"):
         classify.run(["--runner=DirectRunner", f"--input={inputs}/*.parquet", f"--model={tiny_dir}",
                       f"--output={tmp_path}/out/labeled", "--verify=false", "--max_batch_size=2"])
-    assert len(seen) == 5
-    assert glob.glob(f"{tmp_path}/out/labeled*") == [] and glob.glob(f"{tmp_path}/out/failed*") == []
+    assert seen or where == "failed"  # (that function runs on a pickled copy)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_unwritable_output_fails_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, capsys):
+    import beam_prefix.dofn
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(beam_prefix.dofn, "load_model", no_load)
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "out").mkdir()
+    for flag, value in (("--output", f"{tmp_path}/a_file/labeled"),
+                        ("--summary_output", f"{tmp_path}/a_file/summary.json"),
+                        ("--failed_output", f"{tmp_path}/a_file/failed")):
+        argv = ["--runner=DirectRunner", f"--model={tiny_dir}", f"{flag}={value}"]
+        if flag != "--output":
+            argv.append(f"--output={tmp_path}/out/labeled")
+        assert classify.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {flag}={value}: cannot write") and "\n" not in err, err
+        assert "Traceback" not in err
+        assert os.listdir(tmp_path / "out") == []  # the good location's staging is gone too
+
+
+def test_launch_errors_exit_2_in_one_line(tmp_path, capsys):
+    (tmp_path / "in.csv").write_text("ticket_id,text\nT1,hello\n", encoding="utf-8")
+    for argv, message in (
+            ([f"--input={tmp_path}/in.csv", "--columns_to_keep=ticket_id,priority"], "input lacks: ['priority']"),
+            ([f"--input={tmp_path}/in.csv", "--text_column=body"], "input lacks: ['body']"),
+            ([f"--input={tmp_path}/none-*.csv"], "matches no file"),
+            (["--task=/no/such/task.yaml"], "cannot be read")):
+        assert classify.main(["--runner=DirectRunner", f"--output={tmp_path}/out/labeled", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, err
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def test_a_runner_error_is_one_line_naming_the_outputs():
+    from pipelines.classify import explain
+
+    line = explain(RuntimeError("Pipeline failed\nTraceback...\nRuntimeError: Channel closed prematurely."),
+                   {"labeled": "out/labeled-*.parquet", "failed": "out/failed-*.parquet"})
+    assert "\n" not in line and "a worker process died" in line and "out/labeled-*.parquet" in line
 
 
 def test_embedded_defaults_with_no_arguments(tmp_path, monkeypatch, capsys):
+    """The first run: the sample with its gold labels, start-up apart from classification,
+    the self-check's own cached-vs-full timing, accuracy and a confusion PNG."""
     monkeypatch.chdir(tmp_path)
     summary = classify.run(["--runner=DirectRunner"])
     labeled = _read_parquet("output/labeled-*.parquet")
@@ -227,8 +284,21 @@ def test_embedded_defaults_with_no_arguments(tmp_path, monkeypatch, capsys):
     with open("output/labeled-summary.json", encoding="utf-8") as f:
         written = json.load(f)
     assert written["label_counts"] == summary["label_counts"]
+    gold = {r["text"]: r["label"] for r in pq.read_table(SAMPLE_TICKETS).to_pylist()}
+    correct = sum(gold[r["text"]] == r["label"] for r in labeled.to_pylist())  # `label`: the prediction
+    assert summary["evaluation"]["rows"] == 60 and summary["evaluation"]["accuracy"] == round(correct / 60, 4)
+    assert os.path.exists("output/labeled-confusion.png")
+    up, run, check = summary["startup"], summary["classification"], summary["self_check"]
+    assert up["model_load_s"] > 0 and up["prefix_build_s"] > 0 and up["self_check_s"] > 0
+    assert up["prefix_builds"] == 1
+    assert run["rows"] == 60 and run["model_s"] > 0
+    assert run["ms_per_row"] == pytest.approx(1e3 * run["model_s"] / 60, rel=0.01)
+    assert check["cached_ms_per_row"] > 0 and check["full_ms_per_row"] > 0
     printed = capsys.readouterr().out
     assert "rows read 60: labelled 60 + failed 0" in printed and "output/labeled-*.parquet" in printed
+    for line in ("start-up ", "classification: 60 rows", "self-check: cached", "accuracy against 'label'",
+                 "confusion_matrix: output/labeled-confusion.png"):
+        assert line in printed, line
 
 
 @pytest.mark.parametrize("runner_flags", [
