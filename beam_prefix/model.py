@@ -30,7 +30,7 @@ import torch
 
 from beam_prefix.errors import ModelLoadError
 
-__all__ = ["LoadedModel", "load_model", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -114,6 +114,24 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
     loaded.load_s = time.perf_counter() - start
     _LOGGER.info("loaded model %s (%s) in %.1f s", loaded.model_id, dtype, loaded.load_s)
     return loaded
+
+
+def load_tokenizer(spec: str = EMBEDDED, *, trust_remote_code: bool = False):
+    """The tokenizer of `spec` alone (as `load_model` resolves it), for validating rows
+    where the model is not loaded."""
+    from transformers import AutoTokenizer
+
+    try:
+        if spec.endswith(".gguf"):
+            directory, name = os.path.split(os.path.abspath(spec))
+            return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        path = (_embedded_directory() if spec == EMBEDDED else
+                _copy_remote(spec) if "://" in spec else spec)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code and spec != EMBEDDED)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {e}") from e
 
 
 def _from_directory(path: str, model_id: str, *, trust_remote_code: bool) -> LoadedModel:

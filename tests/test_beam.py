@@ -1,5 +1,5 @@
 """Beam integration: ClassifyText on DirectRunner (threads, processes, portable), the DoFn,
-dead-letter output, metrics, and the RunInference handler."""
+dead-letter output, metrics (the RunInference handler: test_handler.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,12 @@ import threading
 import apache_beam as beam
 import pytest
 from apache_beam.metrics.metric import MetricsFilter
-from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier
 from beam_prefix.dofn import ClassifyConfig, PrefixCachedClassifyDoFn, _ModelHolder, prob_column
-from beam_prefix.handler import PrefixCachedModelHandler
 from beam_prefix.model import load_model
 from beam_prefix.transforms import ClassifyText
 
@@ -252,30 +250,6 @@ def test_dofn_instances_in_threads_match_single_thread(tiny_dir):
     for rows in results:
         for row in rows:
             assert abs(row["score"] - single[row["ticket_id"]]) <= 1e-5
-
-
-def test_run_inference_handler_is_thread_safe(tiny_dir):
-    handler = PrefixCachedModelHandler(task=_task(), model=tiny_dir, batch_size=4, verify=False)
-    model = handler.load_model()
-    single = {r.example: r.inference.scores for r in handler.run_inference(TEXTS, model)}
-    results = run_in_threads(
-        lambda i: [r for _ in range(3) for r in handler.run_inference(TEXTS[i:] + TEXTS[:i], model)], 6)
-    for per_thread in results:
-        for r in per_thread:
-            for name, p in single[r.example].items():
-                assert abs(r.inference.scores[name] - p) <= 1e-5
-    assert model.cache_length() == model.prefix_length
-
-
-def test_run_inference_in_a_pipeline(tiny_dir):
-    task = _task()
-    reference = _reference(tiny_dir, task, TEXTS)
-    with TestPipeline() as p:
-        labels = (p | beam.Create(TEXTS)
-                  | RunInference(PrefixCachedModelHandler(task=task, model=tiny_dir, batch_size=4))
-                  | beam.Map(lambda r: (r.example, r.inference.label)))
-        assert_that(labels, equal_to([(t, reference[t].label) for t in TEXTS]))
-
 
 
 @pytest.mark.parametrize("search", ["pruned", "exhaustive"])
