@@ -33,7 +33,10 @@ setup(
         "matplotlib>=3.9,<4",  # the confusion-matrix PNG of --eval_label_column
     ],
     extras_require={
-        "test": ["pytest>=9,<10"],
-        "dev": ["pytest>=9,<10"],
+        # Beam YAML pipelines (beam_prefix.yaml_provider) and beam.dataframe on the outputs
+        "yaml": [f"apache-beam[yaml]=={BEAM_VERSION}"],
+        "dataframe": [f"apache-beam[dataframe]=={BEAM_VERSION}"],
+        "test": ["pytest>=9,<10", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
+        "dev": ["pytest>=9,<10", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
     },
 )

@@ -19,9 +19,10 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import apache_beam as beam
+from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils import shared
 
 from beam_prefix.classifier import PrefixClassifier
@@ -200,19 +201,21 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         self._prob_columns = [prob_column(n) for n in self.config.task.label_names] if self.config.prob_columns else []
 
     def process(self, batch: Iterable[Any]):
+        """Elements are rows, or `Stamped` rows (whose outputs then carry their timestamp)."""
         for report in self._holder.take_startup():
             self._metrics.report_startup(report)
-        rows = [_as_dict(r, self.config.text_column) for r in batch]
-        good, encoded = [], []
-        for row in rows:
+        good, encoded = [], []  # good: (row, its timestamp or None)
+        for element in batch:
+            element, ts = _unstamp(element)
+            row = _as_dict(element, self.config.text_column)
             try:
                 self._check_columns(row)
                 encoded.append(self._clf.encode(self._text_of(row)))
-                good.append(row)
+                good.append((row, ts))
             except RowError as e:
-                yield self._failed(row, e.reason, str(e), "validate")
+                yield self._failed(row, e.reason, str(e), "validate", ts)
             except Exception as e:  # whatever else one row raises fails that row, not the bundle
-                yield self._failed(row, "invalid_row", f"{type(e).__name__}: {e}", "validate")
+                yield self._failed(row, "invalid_row", f"{type(e).__name__}: {e}", "validate", ts)
         if not good:
             return
         start = time.perf_counter()
@@ -223,7 +226,7 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
                             self.step_name, len(good), e)
             self._metrics.model_retries.inc()
             predictions = []
-            for row, enc in zip(good, encoded):
+            for enc in encoded:
                 try:
                     predictions.append(self._clf.classify_encoded([enc])[0])
                 except Exception as row_error:
@@ -232,9 +235,9 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         self._metrics.batch_size.update(len(good))
         self._metrics.batch_latency.update(int(elapsed * 1e6))
         done = 0
-        for row, pred in zip(good, predictions):
+        for (row, ts), pred in zip(good, predictions):
             if isinstance(pred, Exception):
-                yield self._failed(row, "model_error", f"{type(pred).__name__}: {pred}", "model")
+                yield self._failed(row, "model_error", f"{type(pred).__name__}: {pred}", "model", ts)
                 continue
             done += 1
             self._metrics.suffix_tokens_computed.inc(pred.suffix_tokens)
@@ -242,7 +245,7 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
             self._metrics.prefix_tokens_reused.inc(self._clf.prefix_length)
             if pred.truncated:
                 self._metrics.rows_truncated.inc()
-            yield self._labeled(row, pred)
+            yield _stamp(self._labeled(row, pred), ts)
         self._metrics.rows_classified.inc(done)
         self._progress.add(done, elapsed)
 
@@ -279,11 +282,27 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         out["model"] = self._clf.model_id
         return out
 
-    def _failed(self, row: dict, reason: str, error: str, stage: str):
+    def _failed(self, row: dict, reason: str, error: str, stage: str, timestamp=None):
         self._metrics.rows_failed.inc()
         record = {"row": row, "id": row.get(self.config.id_column) if self.config.id_column else None,
                   "reason": reason, "error": error, "stage": stage}
-        return beam.pvalue.TaggedOutput(FAILED_TAG, record)
+        return beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(record, timestamp))
+
+
+class Stamped(NamedTuple):
+    """A row and its own event timestamp (`ClassifyText` batches these, so each output
+    row is stamped with its input row's timestamp, not the batch's)."""
+
+    row: Any
+    timestamp: Any
+
+
+def _unstamp(element) -> tuple[Any, Any]:
+    return (element.row, element.timestamp) if isinstance(element, Stamped) else (element, None)
+
+
+def _stamp(value, timestamp):
+    return value if timestamp is None else TimestampedValue(value, timestamp)
 
 
 def _as_dict(row: Any, text_column: str) -> dict:

@@ -16,11 +16,12 @@ import os
 
 import apache_beam as beam
 
-from beam_prefix.dofn import FAILED_TAG, LABELED_TAG, ClassifyConfig, PrefixCachedClassifyDoFn
+from beam_prefix.dofn import FAILED_TAG, LABELED_TAG, ClassifyConfig, PrefixCachedClassifyDoFn, Stamped
 from beam_prefix.model import EMBEDDED
+from beam_prefix.schemas import FAILED_TYPE, ToRow, failed_row, input_fields, labeled_type
 from beam_prefix.task import TaskSpec
 
-__all__ = ["ClassifyText"]
+__all__ = ["ClassifyText", "ClassifyResult"]
 
 
 class ClassifyText(beam.PTransform):
@@ -37,6 +38,12 @@ class ClassifyText(beam.PTransform):
         threads: torch intra-op threads per worker process.
         min_batch_size, max_batch_size: `beam.BatchElements` bounds (max defaults to
             max(64, 4 x batch_size), min to min(8, max_batch_size)).
+        max_batch_duration_secs: buffer rows across bundles for at most this long to
+            fill a batch (`beam.BatchElements`' stateful batching, for streaming, where
+            bundles are small). Rows buffered this way are released by a timer; where
+            the runner does not hold the watermark for them (Python's DirectRunner
+            releases them only at the window's end), windowing after classification can
+            find them late.
         batch_size: rows per forward pass inside a Beam batch.
         max_text_tokens, overflow, calibration, label_search, label_tolerance: override
             the task's settings (`label_search`: ``auto``, ``pruned`` or ``exhaustive``).
@@ -51,7 +58,10 @@ class ClassifyText(beam.PTransform):
             input's schema, else a failed row with reason ``column_clash``.
 
     Returns:
-        a `DoOutputsTuple` with ``labeled`` and ``failed`` PCollections.
+        a `ClassifyResult`: ``labeled`` and ``failed`` PCollections (as attributes or
+        keys). Each output row keeps its input row's timestamp and window. With a
+        schema'd input (`beam.Row`, NamedTuple) both are schema'd (see
+        `beam_prefix.schemas`); dict rows give dicts.
     """
 
     def __init__(self, *, task: TaskSpec | str | os.PathLike, model: str | None = None,
@@ -61,7 +71,8 @@ class ClassifyText(beam.PTransform):
                  batch_size: int = 16, max_text_tokens: int | None = None, overflow: str | None = None,
                  calibration=None, verify: bool = True, label_search: str | None = None,
                  label_tolerance: float | None = None, top_k: int | None = None,
-                 prob_columns: bool | None = None, keep_columns=None, label: str | None = None):
+                 prob_columns: bool | None = None, keep_columns=None, max_batch_duration_secs: float | None = None,
+                 label: str | None = None):
         super().__init__(label)
         if not isinstance(task, TaskSpec):
             task = TaskSpec.from_yaml(task)
@@ -86,32 +97,43 @@ class ClassifyText(beam.PTransform):
                                       keep_columns=None if keep_columns is None else tuple(keep_columns))
         self._min_batch_size = min_batch_size
         self._max_batch_size = max_batch_size
+        self._max_batch_duration_secs = max_batch_duration_secs
 
     @property
     def config(self) -> ClassifyConfig:
         return self._config
 
     def expand(self, rows):
-        fields = _schema_fields(rows.element_type)
+        fields = input_fields(rows.element_type)
         if fields and self._config.keep_columns is None:
-            clash = self._config.clashing(fields)
+            clash = self._config.clashing([name for name, _ in fields])
             if clash:
                 raise ValueError(f"{self.label}: input fields {clash} would be overwritten by output columns of "
                                  f"the same name; rename them, or pass keep_columns without them")
-        return (
+        batching = dict(min_batch_size=self._min_batch_size, max_batch_size=self._max_batch_size)
+        if self._max_batch_duration_secs is not None:
+            batching["max_batch_duration_secs"] = self._max_batch_duration_secs
+        classified = (
             rows
-            | "Batch" >> beam.BatchElements(min_batch_size=self._min_batch_size,
-                                            max_batch_size=self._max_batch_size)
+            # a Beam batch carries its window's end as timestamp: each row keeps its own
+            | "KeepTimestamps" >> beam.Map(lambda row, ts=beam.DoFn.TimestampParam: Stamped(row, ts))
+            | "Batch" >> beam.BatchElements(**batching)
             | "Classify" >> beam.ParDo(PrefixCachedClassifyDoFn(self._config, step_name=self.label))
-            .with_outputs(FAILED_TAG, main=LABELED_TAG)
-        )
+            .with_outputs(FAILED_TAG, main=LABELED_TAG))
+        labeled, failed = classified[LABELED_TAG], classified[FAILED_TAG]
+        if fields:  # schema'd input: schema'd outputs (beam_prefix.schemas)
+            row_type = labeled_type(self._config, fields)
+            labeled = labeled | "LabeledRows" >> beam.Map(ToRow(row_type)).with_output_types(row_type)
+            failed = failed | "FailedRows" >> beam.Map(failed_row).with_output_types(FAILED_TYPE)
+        return ClassifyResult(labeled=labeled, failed=failed)
 
 
-def _schema_fields(element_type) -> list[str]:
-    """Field names of a schema'd element type (`beam.Row`, NamedTuple), else []."""
-    from apache_beam.typehints import schemas
+class ClassifyResult(dict):
+    """`ClassifyText`'s outputs: ``result.labeled`` / ``result["labeled"]`` and
+    ``result.failed`` / ``result["failed"]`` (a dict, as Beam YAML expects)."""
 
-    try:
-        return [name for name, _ in schemas.named_fields_from_element_type(element_type)]
-    except Exception:  # noqa: BLE001 - Any, dict, str...: no schema to check
-        return []
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None

@@ -1,0 +1,91 @@
+"""Beam schemas of `ClassifyText`'s outputs, for input with a schema.
+
+When the input PCollection has a schema (`beam.Row`s, a NamedTuple type), ``labeled``
+and ``failed`` are schema'd too, so `beam.Select`, `beam.dataframe` and schema-aware
+sinks work on them:
+
+- ``labeled``: the input's fields (or only ``keep_columns``), with their types, then
+  ``label: str``, ``score: float``, ``prob_<label>: float`` per label (when on),
+  ``top_k: List[Row(label: str, score: float)]`` (with ``top_k``), ``truncated: bool``,
+  ``prompt_fingerprint: str``, ``model: str``.
+- ``failed``: ``row: str`` (the input row as JSON text), ``id: Optional[str]``,
+  ``reason: str``, ``error: str``, ``stage: str``.
+
+Dict rows have no schema: their outputs stay dicts (the same names and values).
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from typing import Any, Optional, Sequence
+
+import apache_beam as beam
+from apache_beam.typehints import schemas
+from apache_beam.typehints.row_type import RowTypeConstraint
+
+__all__ = ["input_fields", "labeled_type", "FAILED_TYPE", "TOP_K_ENTRY", "ToRow", "failed_row", "json_text"]
+
+TOP_K_ENTRY = RowTypeConstraint.from_fields([("label", str), ("score", float)])
+FAILED_TYPE = RowTypeConstraint.from_fields([
+    ("row", str), ("id", Optional[str]), ("reason", str), ("error", str), ("stage", str)])
+
+
+def input_fields(element_type) -> list[tuple[str, Any]] | None:
+    """(name, type) of each field of a schema'd element type; None without a schema."""
+    try:
+        return list(schemas.named_fields_from_element_type(element_type))
+    except Exception:  # noqa: BLE001 - Any, dict, str...: no schema
+        return None
+
+
+def labeled_type(config, fields: Sequence[tuple[str, Any]]) -> RowTypeConstraint:
+    """The ``labeled`` row type for input `fields` and a `ClassifyConfig`."""
+    types = dict(fields)
+    if config.keep_columns is not None:
+        missing = [c for c in config.keep_columns if c not in types]
+        if missing:
+            raise ValueError(f"keep_columns {missing} are not fields of the input (fields: {list(types)})")
+        fields = [(c, types[c]) for c in config.keep_columns]
+    added = {"label": str, "score": float, "truncated": bool, "prompt_fingerprint": str, "model": str,
+             "top_k": typing.List[TOP_K_ENTRY]}
+    return RowTypeConstraint.from_fields(
+        list(fields) + [(name, added.get(name, float)) for name in config.output_columns])  # prob_*: float
+
+
+class ToRow:
+    """A labelled dict -> a `beam.Row` of the given type's fields, in order."""
+
+    def __init__(self, row_type: RowTypeConstraint):
+        self._names = [name for name, _ in row_type._fields]
+
+    def __call__(self, row: dict) -> beam.Row:
+        values = {name: row.get(name) for name in self._names}
+        if values.get("top_k") is not None:
+            values["top_k"] = [beam.Row(label=e["label"], score=e["score"]) for e in values["top_k"]]
+        return beam.Row(**values)
+
+
+def json_text(value) -> str:
+    """JSON text of a row, UTF-8 clean (a lone surrogate stays escaped)."""
+    def default(v):
+        if isinstance(v, (bytes, bytearray)):
+            return bytes(v).decode("utf-8", "backslashreplace")
+        if isinstance(v, beam.Row):
+            return v.as_dict()
+        return str(v)
+
+    text = json.dumps(value, ensure_ascii=False, default=default)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, ensure_ascii=True, default=default)
+    return text
+
+
+def failed_row(record: dict) -> beam.Row:
+    """A failed record (``{"row", "id", "reason", "error", "stage"}``) -> a `FAILED_TYPE` row."""
+    id_value = record.get("id")
+    return beam.Row(row=json_text(record.get("row")),
+                    id=None if id_value is None else (id_value if isinstance(id_value, str) else json_text(id_value)),
+                    reason=record["reason"], error=record["error"], stage=record["stage"])

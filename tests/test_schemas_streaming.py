@@ -1,0 +1,108 @@
+"""Beam-native outputs: schema'd `labeled`/`failed` for schema'd input (`beam.Select`,
+`to_dataframe`), and streaming: each row keeps its own timestamp and window, on
+`TestStream` with bursts, watermark and processing-time advances."""
+
+from __future__ import annotations
+
+import typing
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.test_stream import TestStream
+from apache_beam.testing.util import assert_that, equal_to
+from apache_beam.transforms import window
+
+from beam_prefix import PrefixClassifier
+from beam_prefix.model import load_model
+from beam_prefix.schemas import FAILED_TYPE
+from beam_prefix.transforms import ClassifyText
+
+from conftest import TEXTS, tiny_task
+
+LABELS = ("billing", "technical", "account")
+
+
+def _task():
+    return tiny_task(LABELS, overflow="reject", max_text_tokens=64)
+
+
+def _labels(model_dir, texts):
+    clf = PrefixClassifier(task=_task(), loaded=load_model(model_dir), verify=False)
+    return {t: p.label for t, p in zip(texts, clf.classify_full(texts))}
+
+
+class Ticket(typing.NamedTuple):
+    ticket_id: str
+    text: typing.Optional[str]
+    priority: int
+
+
+def test_schemad_input_gives_schemad_outputs(tiny_dir):
+    expected = _labels(tiny_dir, TEXTS[:6])
+    rows = [Ticket(f"T{i}", t, i % 3) for i, t in enumerate(TEXTS[:6])] + [Ticket("B1", None, 0)]
+    with TestPipeline() as p:
+        result = (p | beam.Create(rows).with_output_types(Ticket)
+                  | ClassifyText(task=_task(), model=tiny_dir, id_column="ticket_id", top_k=2))
+        fields = [name for name, _ in result.labeled.element_type._fields]
+        assert fields[:3] == ["ticket_id", "text", "priority"] and fields[3:5] == ["label", "score"]
+        assert "top_k" in fields and fields[-3:] == ["truncated", "prompt_fingerprint", "model"]
+        assert result.failed.element_type == FAILED_TYPE
+        selected = result.labeled | beam.Select("ticket_id", "label")
+        assert_that(selected | beam.Map(lambda r: (r.ticket_id, r.label)),
+                    equal_to([(f"T{i}", expected[t]) for i, t in enumerate(TEXTS[:6])]), label="Select")
+        assert_that(result.labeled | beam.Map(lambda r: [e.label for e in r.top_k][0] == r.label),
+                    equal_to([True] * 6), label="TopKRows")
+        assert_that(result.failed | beam.Map(lambda r: (r.id, r.reason, r.stage)),
+                    equal_to([("B1", "null_text", "validate")]), label="FailedRow")
+
+
+def test_labeled_rows_convert_to_a_dataframe(tiny_dir):
+    from apache_beam.dataframe.convert import to_dataframe, to_pcollection
+
+    rows = [beam.Row(ticket_id=f"T{i}", text=t) for i, t in enumerate(TEXTS[:4])]
+    expected = _labels(tiny_dir, TEXTS[:4])
+    with TestPipeline() as p:
+        result = p | beam.Create(rows) | ClassifyText(task=_task(), model=tiny_dir)
+        df = to_dataframe(result.labeled)
+        billing = to_pcollection(df[["ticket_id", "label", "prob_billing"]], include_indexes=False)
+        assert_that(billing | beam.Map(lambda r: (r.ticket_id, r.label)),
+                    equal_to([(f"T{i}", expected[t]) for i, t in enumerate(TEXTS[:4])]))
+
+
+def test_streaming_rows_keep_their_timestamps_and_windows(tiny_dir):
+    """Bursts of rows at event times 1..25 s, with watermark and processing-time advances:
+    after classification each row still has its own timestamp, and windowing into 10 s
+    windows groups them by their event time (not all into one far-future window)."""
+    texts = TEXTS[:8]
+    times = [1, 2, 3, 11, 12, 21, 22, 25]
+    expected = _labels(tiny_dir, texts)
+    stream = (TestStream()
+              .add_elements([window.TimestampedValue({"text": t, "ts": s}, s) for t, s in zip(texts[:3], times[:3])])
+              .advance_processing_time(5)
+              .advance_watermark_to(10)
+              .add_elements([window.TimestampedValue({"text": t, "ts": s}, s) for t, s in zip(texts[3:5], times[3:5])])
+              .advance_processing_time(5)
+              .advance_watermark_to(20)
+              .add_elements([window.TimestampedValue({"text": t, "ts": s}, s) for t, s in zip(texts[5:], times[5:])])
+              .advance_processing_time(5)
+              .advance_watermark_to_infinity())
+    options = PipelineOptions()
+    options.view_as(StandardOptions).streaming = True
+    with TestPipeline(options=options) as p:
+        result = p | stream | ClassifyText(task=_task(), model=tiny_dir, verify=False)
+        stamped = result.labeled | beam.Map(lambda r, ts=beam.DoFn.TimestampParam: (r["text"], r["label"], ts.micros // 10**6, r["ts"]))
+        assert_that(stamped, equal_to([(t, expected[t], s, s) for t, s in zip(texts, times)]), label="Timestamps")
+        per_window = (result.labeled | beam.WindowInto(window.FixedWindows(10))
+                      | beam.Map(lambda r: ("n", 1)) | beam.CombinePerKey(sum)
+                      | beam.Map(lambda kv, w=beam.DoFn.WindowParam: (int(w.start), kv[1])))
+        assert_that(per_window, equal_to([(0, 3), (10, 2), (20, 3)]), label="Windows")
+
+
+def test_max_batch_duration_secs_buffers_across_bundles(tiny_dir):
+    """Beam's stateful batching (keyed, timers): the same labels, every row once."""
+    expected = _labels(tiny_dir, TEXTS)
+    with TestPipeline() as p:
+        result = (p | beam.Create([{"text": t} for t in TEXTS])
+                  | ClassifyText(task=_task(), model=tiny_dir, max_batch_duration_secs=1, verify=False))
+        assert_that(result.labeled | beam.Map(lambda r: (r["text"], r["label"])), equal_to(list(expected.items())))
