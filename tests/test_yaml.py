@@ -1,0 +1,47 @@
+"""Beam YAML: the shipped example pipeline through `apache_beam.yaml.main`, on the tiny model."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from apache_beam.yaml import main as yaml_main
+
+from beam_prefix import PrefixClassifier
+from beam_prefix.model import load_model
+from beam_prefix.task import TaskSpec
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+PIPELINE = os.path.join(ROOT, "pipelines", "yaml", "classify_tickets.yaml")
+TASK = os.path.join(ROOT, "pipelines", "tasks", "support_tickets.yaml")
+
+
+def _json_rows(pattern):
+    rows = []
+    for path in glob.glob(pattern):
+        with open(path, encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def test_yaml_pipeline_classifies_and_routes_errors(tiny_dir, tmp_path):
+    tickets = tmp_path / "tickets.csv"
+    tickets.write_text("ticket_id,text,label\nT1,I was charged twice,billing\nT2,The app crashes,technical\n"
+                       "T3,,account\nT4,please delete my account,account\n", encoding="utf-8")
+    out = tmp_path / "out"
+    yaml_main.run(argv=[
+        f"--yaml_pipeline_file={PIPELINE}", "--runner=DirectRunner",
+        "--jinja_variables=" + json.dumps({"input": str(tickets), "output": str(out), "task": TASK,
+                                           "model": tiny_dir})])
+    labeled = {r["ticket_id"]: r for r in _json_rows(f"{out}/labeled.json*")}
+    errors = _json_rows(f"{out}/errors.json*")
+    texts = {"T1": "I was charged twice", "T2": "The app crashes", "T4": "please delete my account"}
+    clf = PrefixClassifier(task=TaskSpec.from_yaml(TASK), loaded=load_model(tiny_dir), verify=False)
+    reference = dict(zip(texts, clf.classify_full(list(texts.values()))))
+    assert sorted(labeled) == ["T1", "T2", "T4"]
+    for key, row in labeled.items():
+        assert row["label"] == reference[key].label and abs(row["score"] - reference[key].score) < 1e-4
+        assert row["gold"] and row["prompt_fingerprint"]
+    assert len(errors) == 1 and errors[0]["element"]["ticket_id"] == "T3"
+    assert errors[0]["msg"].startswith(("null_text", "empty_text")) and errors[0]["stack"] == "validate"
