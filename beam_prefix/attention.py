@@ -133,12 +133,20 @@ class Packing:
     def rows(self) -> int:
         return int(self.offsets.shape[0]) - 1
 
+    @property
+    def dense(self) -> bool:
+        """No pad column (every row as wide as the layout, e.g. one row): packing is a reshape."""
+        return int(self.index.shape[0]) == self.rows * self.width
+
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """``[B, Q, ...]`` -> ``[1, T, ...]``."""
-        return padded.reshape(-1, *padded.shape[2:])[self.index][None]
+        flat = padded.reshape(-1, *padded.shape[2:])
+        return (flat if self.dense else flat[self.index])[None]
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """``[1, T, ...]`` -> ``[B, Q, ...]``, zeros at the pad columns."""
+        if self.dense:
+            return packed.reshape(self.rows, self.width, *packed.shape[2:])
         flat = packed.new_zeros(self.rows * self.width, *packed.shape[2:])
         flat[self.index] = packed[0]
         return flat.view(self.rows, self.width, *packed.shape[2:])

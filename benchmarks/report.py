@@ -60,6 +60,12 @@ def _markdown(report: dict) -> str:
             batch = f"{c['batch']} (Beam batches of {c['beam_batch']})" if c.get("beam_batch") else c["batch"]
             lines.append(f"| {c['name']} | {batch} | {c['ms_per_row']:.1f} | {c['speedup_vs_a']:.1f}x | "
                          f"{c['agreement']:.1%} |")
+        one = w.get("batch_one")
+        if one:
+            lines += ["", f"Batch 1 ({one['rows']} rows, interleaved rounds, best of each): C "
+                          f"{one['c_ms_per_row']:.1f} ms/row, B {one['b_ms_per_row']:.1f} ms/row, C {one['c_over_b']:.2f}x "
+                          f"faster; the matmul floor of one row ({one['tokens_per_row']:.0f} tokens at "
+                          f"{one['matmul_gflops']:.0f} GFLOP/s) is {one['floor_ms_per_row']:.1f} ms/row."]
         f = w["floor"]
         lines += ["", f"FLOP floor: 2 x {f['non_embedding_params'] / 1e6:.1f}M params x "
                       f"{f['dynamic_tokens_per_row']:.1f} tokens/row at {f['matmul_gflops']:.1f} GFLOP/s (measured) = "

@@ -36,6 +36,7 @@ from beam_prefix.task import Example
 from beam_prefix.transforms import ClassifyText
 from benchmarks import contenders
 from benchmarks import report as report_module
+from benchmarks.batch_one import batch_one
 from benchmarks.floor import floor_ms_per_row, matmul_gflops, non_embedding_params, other_flops_per_row
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,6 +120,8 @@ def _bench_workload(name, task, texts, loaded, args) -> tuple[dict, list[str]]:
     _LOGGER.info("%s C expanded batch %d: %.1f ms/row", name, best["batch"], e_ms)
 
     _rounds(name, task, texts, warm, clf, best, result, a_labels, args)
+    if "batch1" not in args.skip:
+        result["batch_one"] = batch_one(name, clf, a_rows, args.rounds)
     for entry in result["contenders"]:
         entry["speedup_vs_a"] = a_ms / entry["ms_per_row"]
     result["floor"] = _floor(clf, task, texts, loaded, best)
@@ -351,7 +354,7 @@ def run(argv=None) -> dict:
     parser.add_argument("--sliding_model", default=None,
                         help="a real sliding-window model for that section (default: random weights)")
     parser.add_argument("--skip", default="", type=lambda s: set(x for x in s.split(",") if x),
-                        help="any of: d, scaling, rss, modes, sliding")
+                        help="any of: d, batch1, scaling, rss, modes, sliding")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
     args = parser.parse_args(argv)

@@ -27,6 +27,9 @@ def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
         # B (the recipe), C and D are exact in fp32: the same labels as full re-encoding
         assert all(c["agreement"] == 1.0 for c in workload["contenders"]), (name, workload["contenders"])
         assert workload["floor"]["floor_ms_per_row"] > 0
+        one = workload["batch_one"]  # B and C at batch 1, interleaved, with the one-row floor
+        assert len(one["rounds"]["B"]) == len(one["rounds"]["C"]) == 2 and one["agreement"] == 1.0
+        assert one["c_over_b"] == one["b_ms_per_row"] / one["c_ms_per_row"] and one["floor_ms_per_row"] > 0
         d = workload["contenders"][-1]
         assert d["beam_batch"] == 4 * d["batch"] == 4 * workload["best_c"]["batch"]
         assert "_a_labels" not in workload
