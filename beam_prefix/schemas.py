@@ -24,7 +24,8 @@ import apache_beam as beam
 from apache_beam.typehints import schemas
 from apache_beam.typehints.row_type import RowTypeConstraint
 
-__all__ = ["input_fields", "labeled_type", "FAILED_TYPE", "TOP_K_ENTRY", "ToRow", "failed_row", "json_text"]
+__all__ = ["input_fields", "labeled_type", "FAILED_TYPE", "TOP_K_ENTRY", "ToRow", "failed_row", "json_text",
+           "bigquery_schema", "bigquery_row"]
 
 TOP_K_ENTRY = RowTypeConstraint.from_fields([("label", str), ("score", float)])
 FAILED_TYPE = RowTypeConstraint.from_fields([
@@ -89,3 +90,45 @@ def failed_row(record: dict) -> beam.Row:
     return beam.Row(row=json_text(record.get("row")),
                     id=None if id_value is None else (id_value if isinstance(id_value, str) else json_text(id_value)),
                     reason=record["reason"], error=record["error"], stage=record["stage"])
+
+
+# Beam atomic types -> BigQuery column types (the rest, e.g. logical types, as STRING)
+_BQ_TYPES = {"BYTE": "INTEGER", "INT16": "INTEGER", "INT32": "INTEGER", "INT64": "INTEGER", "FLOAT": "FLOAT",
+             "DOUBLE": "FLOAT", "STRING": "STRING", "BOOLEAN": "BOOLEAN", "BYTES": "BYTES"}
+
+
+def bigquery_schema(row_type) -> dict:
+    """The BigQuery table schema (``{"fields": [...]}``) of a schema'd PCollection's element
+    type, e.g. ``WriteToBigQuery(table, schema=bigquery_schema(result.labeled.element_type))``
+    (Beam's FILE_LOADS and STREAMING_INSERTS need one; STORAGE_WRITE_API derives its own)."""
+    return {"fields": [_bigquery_field(f.name, f.type) for f in schemas.schema_from_element_type(row_type).fields]}
+
+
+def _bigquery_field(name: str, field_type, mode: str | None = None) -> dict:
+    from apache_beam.portability.api import schema_pb2
+
+    kind = field_type.WhichOneof("type_info")
+    mode = mode or ("NULLABLE" if field_type.nullable else "REQUIRED")
+    if kind == "array_type":
+        return _bigquery_field(name, field_type.array_type.element_type, "REPEATED")
+    if kind == "row_type":
+        return {"name": name, "type": "RECORD", "mode": mode,
+                "fields": [_bigquery_field(f.name, f.type) for f in field_type.row_type.schema.fields]}
+    atomic = schema_pb2.AtomicType.Name(field_type.atomic_type) if kind == "atomic_type" else ""
+    return {"name": name, "type": _BQ_TYPES.get(atomic, "STRING"), "mode": mode}
+
+
+def bigquery_row(row: beam.Row) -> dict:
+    """A `beam.Row` as BigQuery's JSON row (nested rows as dicts, bytes as base64)."""
+    import base64
+
+    def value(v):
+        if isinstance(v, beam.Row):
+            return {k: value(x) for k, x in v.as_dict().items()}
+        if isinstance(v, (list, tuple)):
+            return [value(x) for x in v]
+        if isinstance(v, (bytes, bytearray)):
+            return base64.b64encode(bytes(v)).decode("ascii")
+        return v
+
+    return value(row)

@@ -5,6 +5,7 @@ and FILE_LOADS writes, worker processes, and the user's datasets surviving Beam'
 from __future__ import annotations
 
 import os
+import typing
 import uuid
 
 import pytest
@@ -148,3 +149,40 @@ def test_storage_write_api_is_passed_to_beam():
     assert bigquery_write_args(options)["method"] == "STORAGE_WRITE_API"
     assert "method" not in bigquery_write_args(ClassifyOptions(["--output_table=p:d.t"]))
 
+
+
+# functional form: under `from __future__ import annotations` class-syntax field types are
+# strings, which Beam's schema inference reads as Any
+Ticket = typing.NamedTuple("Ticket", [("ticket_id", str), ("text", str), ("channel", int)])
+
+
+def test_schemad_library_output_to_bigquery(emulator, tiny_dir, reference, tmp_path):
+    """ClassifyText on schema'd rows, written with the table schema derived from its output
+    type (`beam_prefix.schemas.bigquery_schema`): the types, the nested top_k, the labels."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from beam_prefix.schemas import bigquery_row, bigquery_schema
+    from beam_prefix.transforms import ClassifyText
+
+    client = emulator.client()
+    dataset = f"lib_{uuid.uuid4().hex[:8]}"
+    client.create_dataset(dataset)
+    table = f"{PROJECT}:{dataset}.labeled"
+    bigquery_endpoint.install(bigquery_endpoint.Endpoint(rest=emulator.rest, grpc=emulator.grpc, project=PROJECT))
+    rows = [Ticket(r["ticket_id"], r["text"], r["channel"]) for r in ROWS if r["text"]]
+    options = PipelineOptions([f"--project={PROJECT}", f"--temp_location={tmp_path}"])
+    with beam.Pipeline(options=options) as p:
+        labeled = (p | beam.Create(rows).with_output_types(Ticket)
+                   | ClassifyText(task=SUPPORT, model=tiny_dir, top_k=2, verify=False)).labeled
+        _ = (labeled | beam.Map(bigquery_row)
+             | beam.io.WriteToBigQuery(table, schema=bigquery_schema(labeled.element_type), method="FILE_LOADS",
+                                       validate=False, custom_gcs_temp_location=str(tmp_path)))
+    schema = {f.name: (f.field_type, f.mode) for f in client.get_table(table.replace(":", ".")).schema}
+    assert schema["channel"] == ("INTEGER", "REQUIRED") and schema["score"] == ("FLOAT", "REQUIRED")
+    assert schema["top_k"] == ("RECORD", "REPEATED") and schema["truncated"] == ("BOOLEAN", "REQUIRED")
+    written = [dict(r) for r in client.list_rows(table.replace(":", "."))]
+    assert sorted(r["ticket_id"] for r in written) == sorted(r.ticket_id for r in rows)
+    for row in written:
+        assert row["label"] == reference[row["text"]].label
+        assert [e["label"] for e in row["top_k"]] == [n for n, _ in reference[row["text"]].top(2)]
