@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import typing
 
-import numpy as np
-
 import apache_beam as beam
+import numpy as np
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.test_stream import TestStream
