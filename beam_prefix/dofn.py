@@ -28,6 +28,7 @@ from apache_beam.utils import shared
 from beam_prefix.classifier import PrefixClassifier
 from beam_prefix.errors import RowError
 from beam_prefix.metrics import ClassifyMetrics, ProgressLog
+from beam_prefix.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB, PoolUse, PrefixPool
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.task import TaskSpec
 
@@ -74,6 +75,10 @@ class ClassifyConfig:
         keep_columns: the input columns copied to each labelled row (None, default: all
             of them). An input column that an output column would overwrite is refused:
             here when named in `keep_columns`, per row (reason ``column_clash``) otherwise.
+        route: the task's key when rows are routed among several tasks (adds the
+            ``task`` and ``task_version`` columns; see `beam_prefix.routing`).
+        max_prefix_cache_mb: the bound of the worker process's prefix pool
+            (`beam_prefix.prefix_pool`).
     """
 
     task: TaskSpec
@@ -87,6 +92,8 @@ class ClassifyConfig:
     top_k: int | None = None
     prob_columns: bool | None = None
     keep_columns: tuple[str, ...] | None = None
+    route: str | None = None
+    max_prefix_cache_mb: float = DEFAULT_MAX_PREFIX_CACHE_MB
 
     def __post_init__(self):
         if self.prob_columns is None:
@@ -120,7 +127,9 @@ class ClassifyConfig:
         """The columns classification adds to each labelled row, in order."""
         probs = [prob_column(n) for n in self.task.label_names] if self.prob_columns else []
         top = [TOP_K_COLUMN] if self.top_k else []
-        return ["label", "score", *probs, *top, "truncated", "prompt_fingerprint", "model"]
+        task = ["task"] if self.route is not None else []
+        version = ["task_version"] if self.route is not None or self.task.version is not None else []
+        return ["label", "score", *probs, *top, "truncated", *task, *version, "prompt_fingerprint", "model"]
 
     @property
     def model_tag(self) -> str:
@@ -146,7 +155,8 @@ class _ModelHolder:
             loaded = load_model(config.model, dtype=config.dtype, threads=config.threads)
         self.loaded = loaded
         self._lock = threading.Lock()
-        self._classifiers: dict[str, PrefixClassifier] = {}
+        self.pool = PrefixPool(int(config.max_prefix_cache_mb * 2**20))
+        self._task_names: set[str] = set()
         self._progress: dict[str, ProgressLog] = {}
         # start-up costs not yet reported as metrics (setup() runs outside a bundle, where
         # Beam does not record metrics, so the next process() reports them)
@@ -154,17 +164,32 @@ class _ModelHolder:
         self._model_load_s = loaded.load_s
 
     def classifier_for(self, config: ClassifyConfig) -> PrefixClassifier:
-        with self._lock:  # the prefix cache of a task is built once per process
-            base = self._classifiers.get(config.task_key)
-            if base is None:
-                base = PrefixClassifier(task=config.task, loaded=self.loaded,
-                                        batch_size=config.batch_size, verify=config.verify)
-                self._classifiers[config.task_key] = base
+        """A fork of the task's classifier (its prefix built once per process, pooled)."""
+        return self.use(config).classifier.fork()
+
+    def use(self, config: ClassifyConfig) -> PoolUse:
+        """The pool's entry for the task of `config`, built (and self-checked) if absent."""
+        def build() -> PrefixClassifier:
+            base = PrefixClassifier(task=config.task, loaded=self.loaded, batch_size=config.batch_size,
+                                    verify=config.verify)
+            with self._lock:
                 self.prefix_builds += 1
                 self._startup.append({"model_load_s": self._model_load_s, **base.startup})
                 self._model_load_s = 0.0  # one load per process, however many tasks
+            return base
+
+        used = self.pool.get(config.task_key, build)
+        with self._lock:
             self.forks += 1
-        return base.fork()
+        return used
+
+    def task_metric_name(self, key: str, limit: int) -> str:
+        """`key`, or ``other`` once `limit` other keys have their own metrics in this process."""
+        with self._lock:
+            if key in self._task_names or len(self._task_names) < limit:
+                self._task_names.add(key)
+                return key
+        return "other"
 
     def take_startup(self) -> list[dict[str, float]]:
         """Start-up reports not yet taken (each is taken once, by one DoFn)."""
@@ -193,34 +218,41 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         self._clf: PrefixClassifier | None = None
 
     def setup(self):
-        holder = _MODEL_HANDLE.acquire(lambda: _ModelHolder(self.config), tag=self.config.model_tag)
-        self._holder = holder  # a strong reference keeps the shared model alive
-        self._clf = holder.classifier_for(self.config)
+        self._attach(self.config.task.name)
+        self._clf = self._holder.classifier_for(self.config)
+
+    def _attach(self, name: str) -> None:
+        """The process's shared model holder, this instance's metrics and progress line."""
+        self._holder = _MODEL_HANDLE.acquire(lambda: _ModelHolder(self.config), tag=self.config.model_tag)
         self._metrics = ClassifyMetrics()
-        self._progress = holder.progress_for(f"{self.step_name}[{self.config.task.name}]")
-        self._prob_columns = [prob_column(n) for n in self.config.task.label_names] if self.config.prob_columns else []
+        self._progress = self._holder.progress_for(f"{self.step_name}[{name}]")
 
     def process(self, batch: Iterable[Any]):
         """Elements are rows, or `Stamped` rows (whose outputs then carry their timestamp)."""
+        yield from self._classify_rows(self._clf, self.config, batch)
+
+    def _classify_rows(self, clf: PrefixClassifier, config: ClassifyConfig, batch: Iterable[Any]):
+        """Validate, classify (one call) and emit every row of `batch` once, with `clf`
+        (a fork of the task's classifier) and the task's `config`."""
         for report in self._holder.take_startup():
             self._metrics.report_startup(report)
         good, encoded = [], []  # good: (row, its timestamp or None)
         for element in batch:
             element, ts = _unstamp(element)
-            row = _as_dict(element, self.config.text_column)
+            row = _as_dict(element, config.text_column)
             try:
-                self._check_columns(row)
-                encoded.append(self._clf.encode(self._text_of(row)))
+                _check_columns(config, row)
+                encoded.append(clf.encode(_text_of(config, row)))
                 good.append((row, ts))
             except RowError as e:
-                yield self._failed(row, e.reason, str(e), "validate", ts)
+                yield self._failed(config, row, e.reason, str(e), "validate", ts)
             except Exception as e:  # whatever else one row raises fails that row, not the bundle
-                yield self._failed(row, "invalid_row", f"{type(e).__name__}: {e}", "validate", ts)
+                yield self._failed(config, row, "invalid_row", f"{type(e).__name__}: {e}", "validate", ts)
         if not good:
             return
         start = time.perf_counter()
         try:
-            predictions = self._clf.classify_encoded(encoded)
+            predictions = clf.classify_encoded(encoded)
         except Exception as e:  # one bad batch: retry row by row, fail only what still fails
             _LOGGER.warning("%s: batch of %d rows failed (%s); retrying row by row",
                             self.step_name, len(good), e)
@@ -228,7 +260,7 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
             predictions = []
             for enc in encoded:
                 try:
-                    predictions.append(self._clf.classify_encoded([enc])[0])
+                    predictions.append(clf.classify_encoded([enc])[0])
                 except Exception as row_error:
                     predictions.append(row_error)
         elapsed = time.perf_counter() - start
@@ -237,15 +269,15 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         done = 0
         for (row, ts), pred in zip(good, predictions):
             if isinstance(pred, Exception):
-                yield self._failed(row, "model_error", f"{type(pred).__name__}: {pred}", "model", ts)
+                yield self._failed(config, row, "model_error", f"{type(pred).__name__}: {pred}", "model", ts)
                 continue
             done += 1
             self._metrics.suffix_tokens_computed.inc(pred.suffix_tokens)
             self._metrics.label_tokens_computed.inc(pred.label_tokens)
-            self._metrics.prefix_tokens_reused.inc(self._clf.prefix_length)
+            self._metrics.prefix_tokens_reused.inc(clf.prefix_length)
             if pred.truncated:
                 self._metrics.rows_truncated.inc()
-            yield _stamp(self._labeled(row, pred), ts)
+            yield _stamp(_labeled(clf, config, row, pred), ts)
         self._metrics.rows_classified.inc(done)
         self._progress.add(done, elapsed)
 
@@ -253,40 +285,52 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
         self._clf = None
         self._holder = None
 
-    def _check_columns(self, row: Mapping[str, Any]) -> None:
-        if self.config.keep_columns is None:  # the whole row is copied: nothing may be overwritten
-            clash = self.config.clashing(row)
-            if clash:
-                raise RowError(f"input columns {clash[:10]} would be overwritten by the output columns of "
-                               f"the same name; rename them, or pass keep_columns without them",
-                               reason="column_clash")
-
-    def _text_of(self, row: Mapping[str, Any]):
-        if self.config.text_column not in row:
-            columns = sorted(map(str, row))  # keys may be None (ragged CSV) or ints
-            raise RowError(f"row has no column {self.config.text_column!r} (columns: {columns[:20]})",
-                           reason="missing_column")
-        return row[self.config.text_column]
-
-    def _labeled(self, row: dict, pred) -> dict:
-        keep = self.config.keep_columns
-        out = dict(row) if keep is None else {c: row.get(c) for c in keep}
-        out["label"] = pred.label
-        out["score"] = pred.score
-        for column, name in zip(self._prob_columns, self.config.task.label_names):
-            out[column] = pred.scores[name]
-        if self.config.top_k:
-            out[TOP_K_COLUMN] = [{"label": label, "score": score} for label, score in pred.top(self.config.top_k)]
-        out["truncated"] = pred.truncated
-        out["prompt_fingerprint"] = self._clf.fingerprint
-        out["model"] = self._clf.model_id
-        return out
-
-    def _failed(self, row: dict, reason: str, error: str, stage: str, timestamp=None):
+    def _failed(self, config: ClassifyConfig, row: dict, reason: str, error: str, stage: str, timestamp=None):
         self._metrics.rows_failed.inc()
-        record = {"row": row, "id": row.get(self.config.id_column) if self.config.id_column else None,
-                  "reason": reason, "error": error, "stage": stage}
-        return beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(record, timestamp))
+        return beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(failed_record(config, row, reason, error, stage), timestamp))
+
+
+def failed_record(config: ClassifyConfig, row: dict, reason: str, error: str, stage: str) -> dict:
+    """A row of the ``failed`` output."""
+    return {"row": row, "id": row.get(config.id_column) if config.id_column else None,
+            "reason": reason, "error": error, "stage": stage}
+
+
+def _check_columns(config: ClassifyConfig, row: Mapping[str, Any]) -> None:
+    if config.keep_columns is None:  # the whole row is copied: nothing may be overwritten
+        clash = config.clashing(row)
+        if clash:
+            raise RowError(f"input columns {clash[:10]} would be overwritten by the output columns of "
+                           f"the same name; rename them, or pass keep_columns without them",
+                           reason="column_clash")
+
+
+def _text_of(config: ClassifyConfig, row: Mapping[str, Any]):
+    if config.text_column not in row:
+        columns = sorted(map(str, row))  # keys may be None (ragged CSV) or ints
+        raise RowError(f"row has no column {config.text_column!r} (columns: {columns[:20]})",
+                       reason="missing_column")
+    return row[config.text_column]
+
+
+def _labeled(clf: PrefixClassifier, config: ClassifyConfig, row: dict, pred) -> dict:
+    keep = config.keep_columns
+    out = dict(row) if keep is None else {c: row.get(c) for c in keep}
+    out["label"] = pred.label
+    out["score"] = pred.score
+    if config.prob_columns:
+        for name in config.task.label_names:
+            out[prob_column(name)] = pred.scores[name]
+    if config.top_k:
+        out[TOP_K_COLUMN] = [{"label": label, "score": score} for label, score in pred.top(config.top_k)]
+    out["truncated"] = pred.truncated
+    if config.route is not None:
+        out["task"] = config.route
+    if config.route is not None or config.task.version is not None:
+        out["task_version"] = config.task.version
+    out["prompt_fingerprint"] = clf.fingerprint
+    out["model"] = clf.model_id
+    return out
 
 
 class Stamped(NamedTuple):

@@ -32,8 +32,25 @@ class ClassifyMetrics:
         self.batch_size = Metrics.distribution(NAMESPACE, "batch_size_rows")
         self.batch_latency = Metrics.distribution(NAMESPACE, "batch_latency_micros")
         self.model_retries = Metrics.counter(NAMESPACE, "batches_retried_row_by_row")
+        # routed steps (beam_prefix.routing): the worker's prefix pool, per batch
+        self.prefix_builds = Metrics.counter(NAMESPACE, "prefix_builds")
+        self.prefix_hits = Metrics.counter(NAMESPACE, "prefix_hits")
+        self.prefix_evictions = Metrics.counter(NAMESPACE, "prefix_evictions")
+        self.prefix_pool_bytes = Metrics.distribution(NAMESPACE, "prefix_pool_bytes")
         # once per prefix cache built (per worker process and task): what start-up cost
         self.startup = {name: Metrics.distribution(NAMESPACE, metric) for name, metric in STARTUP_METRICS.items()}
+
+    def prefix_use(self, used, *, task: str, rows: int) -> None:
+        """One routed batch: a pool hit or build (`prefix_pool.PoolUse`), for task `task`
+        (its counters: ``task_rows:<task>``, ``task_batches:<task>``, ``task_builds:<task>``)."""
+        (self.prefix_builds if used.built else self.prefix_hits).inc()
+        if used.evicted:
+            self.prefix_evictions.inc(used.evicted)
+        self.prefix_pool_bytes.update(used.pool_bytes)
+        Metrics.counter(NAMESPACE, f"task_rows:{task}").inc(rows)
+        Metrics.counter(NAMESPACE, f"task_batches:{task}").inc()
+        if used.built:
+            Metrics.counter(NAMESPACE, f"task_builds:{task}").inc()
 
     def report_startup(self, report: dict[str, float]) -> None:
         """Record one prefix build's start-up costs (s as ms, ms per row as us)."""

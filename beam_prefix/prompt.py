@@ -293,6 +293,8 @@ class PromptLayout:
             "label_ids": [list(ids) for ids in self.label_ids],
             "model": model_id,
         }
+        if self.task.version is not None:  # (absent otherwise: unversioned fingerprints unchanged)
+            payload["version"] = self.task.version
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
         return digest[:16]
 

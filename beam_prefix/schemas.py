@@ -7,7 +7,8 @@ sinks work on them:
 - ``labeled``: the input's fields (or only ``keep_columns``), with their types, then
   ``label: str``, ``score: float``, ``prob_<label>: float`` per label (when on),
   ``top_k: List[Row(label: str, score: float)]`` (with ``top_k``), ``truncated: bool``,
-  ``prompt_fingerprint: str``, ``model: str``.
+  ``task: str`` and ``task_version: Optional[str]`` (routed steps; the version also for a
+  versioned task), ``prompt_fingerprint: str``, ``model: str``.
 - ``failed``: ``row: str`` (the input row as JSON text), ``id: Optional[str]``,
   ``reason: str``, ``error: str``, ``stage: str``.
 
@@ -49,7 +50,7 @@ def labeled_type(config, fields: Sequence[tuple[str, Any]]) -> RowTypeConstraint
             raise ValueError(f"keep_columns {missing} are not fields of the input (fields: {list(types)})")
         fields = [(c, types[c]) for c in config.keep_columns]
     added = {"label": str, "score": float, "truncated": bool, "prompt_fingerprint": str, "model": str,
-             "top_k": typing.List[TOP_K_ENTRY]}
+             "top_k": typing.List[TOP_K_ENTRY], "task": str, "task_version": Optional[str]}
     return RowTypeConstraint.from_fields(
         list(fields) + [(name, added.get(name, float)) for name in config.output_columns])  # prob_*: float
 

@@ -48,7 +48,7 @@ _SCORING_MODES = ("auto", "first_token", "sequence")
 LABEL_SEARCHES = ("auto", "pruned", "exhaustive")
 _KNOWN_KEYS = {
     "name", "instructions", "labels", "examples", "suffix_template", "model",
-    "calibration", "max_text_tokens", "overflow", "scoring", "label_search", "label_tolerance",
+    "calibration", "max_text_tokens", "overflow", "scoring", "label_search", "label_tolerance", "version",
 }
 
 
@@ -108,6 +108,8 @@ class TaskSpec:
             batch-expanded prefix again.
         label_tolerance: pruned search stops for a row when the probability mass it has
             not explored is below this fraction of the mass of the labels it resolved.
+        version: optional version of the prompt, in the fingerprint and on every output
+            row (``task_version``), so a changed prompt is visible downstream.
     """
 
     instructions: str
@@ -122,6 +124,7 @@ class TaskSpec:
     scoring: str = "auto"
     label_search: str = "auto"
     label_tolerance: float = 1e-5
+    version: str | None = None
 
     def __post_init__(self):
         labels = tuple(_coerce_label(label) for label in _as_sequence(self.labels, "labels"))
@@ -189,6 +192,12 @@ class TaskSpec:
             raise TaskSpecError(f"label_tolerance: expected a number between 0 and 1 (exclusive), got {tol!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise TaskSpecError(f"model: expected a string, got {_short(self.model)}")
+        if isinstance(self.version, (int, float)) and not isinstance(self.version, bool):
+            object.__setattr__(self, "version", str(self.version))  # `version: 3` or `1.2` in YAML
+        if self.version is not None and (not isinstance(self.version, str) or not self.version.strip()
+                                         or len(self.version) > _MAX_NAME_CHARS):
+            raise TaskSpecError(f"version: expected a non-empty string of at most {_MAX_NAME_CHARS} characters, "
+                                f"got {_short(self.version)}")
 
     @property
     def label_names(self) -> tuple[str, ...]:

@@ -13,11 +13,15 @@ several forward passes, so per-batch costs are paid once per several passes.
 from __future__ import annotations
 
 import os
+import typing
 
 import apache_beam as beam
 
 from beam_prefix.dofn import FAILED_TAG, LABELED_TAG, ClassifyConfig, PrefixCachedClassifyDoFn, Stamped
 from beam_prefix.model import EMBEDDED
+from beam_prefix.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB
+from beam_prefix.routing import (BatchPerTask, BufferedBatchPerTask, KeyByTask, RoutedClassifyDoFn, TaskRoutes,
+                                 load_tasks)
 from beam_prefix.schemas import FAILED_TYPE, ToRow, failed_row, input_fields, labeled_type
 from beam_prefix.task import TaskSpec
 
@@ -30,6 +34,11 @@ class ClassifyText(beam.PTransform):
     Args:
         task: a `TaskSpec` or the path of a task YAML file (read at construction, so
             workers do not need the file).
+        tasks, task_column: instead of `task`, route each row to the task its
+            `task_column` names: `tasks` is a mapping of key -> `TaskSpec` or task file,
+            or a directory of task files keyed by stem (`beam_prefix.routing`).
+        max_prefix_cache_mb: the bound of each worker process's pool of prefix caches
+            (default 512; least recently used tasks are dropped and rebuilt on demand).
         model: ``embedded`` (default: the task's model, else embedded), a directory, a
             ``.gguf`` file, a ``gs://`` directory or a hub id.
         text_column: column holding the text.
@@ -64,7 +73,7 @@ class ClassifyText(beam.PTransform):
         `beam_prefix.schemas`); dict rows give dicts.
     """
 
-    def __init__(self, *, task: TaskSpec | str | os.PathLike, model: str | None = None,
+    def __init__(self, *, task: TaskSpec | str | os.PathLike | None = None, model: str | None = None,
                  text_column: str = "text", id_column: str | None = None, dtype: str = "float32",
                  threads: int | None = None, min_batch_size: int | None = None,
                  max_batch_size: int | None = None,
@@ -72,15 +81,27 @@ class ClassifyText(beam.PTransform):
                  calibration=None, verify: bool = True, label_search: str | None = None,
                  label_tolerance: float | None = None, top_k: int | None = None,
                  prob_columns: bool | None = None, keep_columns=None, max_batch_duration_secs: float | None = None,
+                 tasks=None, task_column: str | None = None, max_prefix_cache_mb: float | None = None,
                  label: str | None = None):
         super().__init__(label)
-        if not isinstance(task, TaskSpec):
-            task = TaskSpec.from_yaml(task)
+        if (task is None) == (tasks is None):
+            raise ValueError("give either task (one prompt) or tasks with task_column (a prompt per row)")
+        if tasks is not None and not task_column:
+            raise ValueError("tasks needs task_column: the column holding each row's task key")
+        specs = load_tasks(tasks) if tasks is not None else {
+            "": task if isinstance(task, TaskSpec) else TaskSpec.from_yaml(task)}
         changes = {k: v for k, v in (("max_text_tokens", max_text_tokens), ("overflow", overflow),
                                      ("calibration", calibration), ("label_search", label_search),
                                      ("label_tolerance", label_tolerance)) if v is not None}
         if changes:
-            task = task.replace(**changes)
+            specs = {key: spec.replace(**changes) for key, spec in specs.items()}
+        task = next(iter(specs.values()))
+        if model is None:
+            models = {spec.model or EMBEDDED for spec in specs.values()}
+            if len(models) > 1:
+                raise ValueError(f"the tasks name different models {sorted(models)}; one step runs one model: "
+                                 f"pass model=")
+            model = models.pop()
         if max_batch_size is None:
             # several forward batches per Beam batch: fewer per-batch costs, and on the
             # expanded-cache path (non-sdpa models, which pad) a length-sorted Beam batch
@@ -90,11 +111,13 @@ class ClassifyText(beam.PTransform):
             min_batch_size = min(8, max_batch_size)
         if not 1 <= min_batch_size <= max_batch_size:
             raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
-        self._config = ClassifyConfig(task=task, model=model or task.model or EMBEDDED,
-                                      text_column=text_column, id_column=id_column, dtype=dtype,
-                                      threads=threads, batch_size=batch_size, verify=verify,
-                                      top_k=top_k, prob_columns=prob_columns,
-                                      keep_columns=None if keep_columns is None else tuple(keep_columns))
+        base = dict(model=model, text_column=text_column, id_column=id_column, dtype=dtype, threads=threads,
+                    batch_size=batch_size, verify=verify, top_k=top_k, prob_columns=prob_columns,
+                    keep_columns=None if keep_columns is None else tuple(keep_columns),
+                    max_prefix_cache_mb=max_prefix_cache_mb or DEFAULT_MAX_PREFIX_CACHE_MB)
+        self._routes = TaskRoutes.build(specs, task_column, dict(base)) if tasks is not None else None
+        # one task: its config; routed: the first task's (same columns and settings as every task's)
+        self._config = ClassifyConfig(task=task, **base) if self._routes is None else self._routes.configs[0][1]
         self._min_batch_size = min_batch_size
         self._max_batch_size = max_batch_size
         self._max_batch_duration_secs = max_batch_duration_secs
@@ -102,6 +125,11 @@ class ClassifyText(beam.PTransform):
     @property
     def config(self) -> ClassifyConfig:
         return self._config
+
+    @property
+    def routes(self) -> TaskRoutes | None:
+        """The per-task configs of a routed step (None with one task)."""
+        return self._routes
 
     def expand(self, rows):
         fields = input_fields(rows.element_type)
@@ -113,14 +141,27 @@ class ClassifyText(beam.PTransform):
         batching = dict(min_batch_size=self._min_batch_size, max_batch_size=self._max_batch_size)
         if self._max_batch_duration_secs is not None:
             batching["max_batch_duration_secs"] = self._max_batch_duration_secs
-        classified = (
-            rows
-            # a Beam batch carries its window's end as timestamp: each row keeps its own
-            | "KeepTimestamps" >> beam.Map(lambda row, ts=beam.DoFn.TimestampParam: Stamped(row, ts))
-            | "Batch" >> beam.BatchElements(**batching)
-            | "Classify" >> beam.ParDo(PrefixCachedClassifyDoFn(self._config, step_name=self.label))
-            .with_outputs(FAILED_TAG, main=LABELED_TAG))
-        labeled, failed = classified[LABELED_TAG], classified[FAILED_TAG]
+        # a Beam batch carries its window's end as timestamp: each row keeps its own
+        stamped = rows | "KeepTimestamps" >> beam.Map(lambda row, ts=beam.DoFn.TimestampParam: Stamped(row, ts))
+        if self._routes is None:
+            classified = (
+                stamped
+                | "Batch" >> beam.BatchElements(**batching)
+                | "Classify" >> beam.ParDo(PrefixCachedClassifyDoFn(self._config, step_name=self.label))
+                .with_outputs(FAILED_TAG, main=LABELED_TAG))
+            labeled, failed = classified[LABELED_TAG], classified[FAILED_TAG]
+        else:  # grouped by task before batching: each forward pass runs over one prefix
+            keyed = stamped | "KeyByTask" >> beam.ParDo(KeyByTask(self._routes)).with_output_types(
+                typing.Tuple[typing.Tuple[str, int], typing.Any]).with_outputs(FAILED_TAG, main="keyed")
+            batcher = (BatchPerTask(self._max_batch_size) if self._max_batch_duration_secs is None else
+                       BufferedBatchPerTask(self._max_batch_size, self._max_batch_duration_secs))
+            classified = (
+                keyed.keyed
+                | "BatchPerTask" >> beam.ParDo(batcher)
+                | "Classify" >> beam.ParDo(RoutedClassifyDoFn(self._routes, step_name=self.label))
+                .with_outputs(FAILED_TAG, main=LABELED_TAG))
+            labeled = classified[LABELED_TAG]
+            failed = (keyed[FAILED_TAG], classified[FAILED_TAG]) | "AllFailed" >> beam.Flatten()
         if fields:  # schema'd input: schema'd outputs (beam_prefix.schemas)
             row_type = labeled_type(self._config, fields)
             labeled = labeled | "LabeledRows" >> beam.Map(ToRow(row_type)).with_output_types(row_type)
