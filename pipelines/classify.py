@@ -102,6 +102,10 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
     # column named like an output column (a gold `label`) is dropped, not overwritten
     classify = classify_transform(options, keep_columns=[f.name for f in kept] + ([GOLD_KEY] if gold else []))
     task = classify.config.task
+    routes = classify.routes
+    task_name = task.name if routes is None else f"{len(routes.configs)} tasks from {o.task_dir} by {o.task_column}"
+    labels = task.label_names if routes is None else tuple(sorted({n for _, c in routes.configs
+                                                                   for n in c.task.label_names}))
     out_schema = labeled_schema(classify.config, kept)
 
     rows, unparseable = read_rows(p, options)
@@ -120,9 +124,9 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
     write(failed, failed_to.staged(staging), FAILED_SCHEMA, options, label="Failed")
 
     _LOGGER.info("input: %s; task %s (%d labels); model %s; labelled rows -> %s; failed rows -> %s",
-                 describe_input(options), task.name, len(task.labels), classify.config.model,
+                 describe_input(options), task_name, len(labels), classify.config.model,
                  labeled_to.describe(), failed_to.describe())
-    return Plan(task=task.name, model=classify.config.model, labels=task.label_names,
+    return Plan(task=task_name, model=classify.config.model, labels=labels,
                 outputs={"labeled": labeled_to.describe(), "failed": failed_to.describe()},
                 summary_path=summary_path, eval_label_column=gold, staging=staging)
 

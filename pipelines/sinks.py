@@ -86,7 +86,8 @@ def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.
 
 TOP_K_TYPE = pa.list_(pa.struct([pa.field("label", pa.string()), pa.field("score", pa.float64())]))
 _ADDED_TYPES = {"label": pa.string(), "score": pa.float64(), TOP_K_COLUMN: TOP_K_TYPE, "truncated": pa.bool_(),
-                "prompt_fingerprint": pa.string(), "model": pa.string()}
+                "task": pa.string(), "task_version": pa.string(), "prompt_fingerprint": pa.string(),
+                "model": pa.string()}
 
 
 def labeled_schema(config: ClassifyConfig, kept: list[pa.Field]) -> pa.Schema:

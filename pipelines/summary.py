@@ -130,6 +130,23 @@ def _timing(lib: dict[str, dict[str, int]], labeled: int) -> dict:
     return out
 
 
+def _tasks(lib: dict[str, int]) -> dict:
+    """Routed runs: the prefix pool's builds, hits and evictions, and per task (top 20 by
+    rows) its rows and the share of its batches served from the pool."""
+    rows = {k.split(":", 1)[1]: v for k, v in lib.items() if k.startswith("task_rows:")}
+    if not rows:
+        return {}
+    per_task = []
+    for name, n in sorted(rows.items(), key=lambda kv: (-kv[1], kv[0]))[:20]:
+        batches, builds = lib.get(f"task_batches:{name}", 0), lib.get(f"task_builds:{name}", 0)
+        per_task.append({"task": name, "rows": n, "batches": batches, "builds": builds,
+                         "hit_rate": round(1 - builds / batches, 4) if batches else None})
+    builds, hits = lib.get("prefix_builds", 0), lib.get("prefix_hits", 0)
+    return {"prefix_pool": {"builds": builds, "hits": hits, "evictions": lib.get("prefix_evictions", 0),
+                            "hit_rate": round(hits / (builds + hits), 4) if builds + hits else None},
+            "tasks": per_task}
+
+
 def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str, str],
               model: str, task: str, eval_label_column: str | None) -> dict:
     """The summary dict of a finished run (counts, label counts, rates, outputs)."""
@@ -149,6 +166,7 @@ def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str
         "label_tokens_computed": lib.get("label_tokens_computed", 0),
         "rows_truncated": lib.get("rows_truncated", 0),
         **_timing(_distributions(result, LIBRARY_NAMESPACE), labeled),
+        **_tasks(lib),
         "outputs": dict(outputs),
     }
     if eval_label_column:
@@ -177,6 +195,15 @@ def format_summary(s: dict) -> str:
         "labels:",
     ]
     lines += [f"  {n:<{width}} {c}" for n, c in sorted(s["label_counts"].items(), key=lambda kv: -kv[1]) if c]
+    pool = s.get("prefix_pool")
+    if pool:
+        rate = "n/a" if pool["hit_rate"] is None else f"{pool['hit_rate']:.1%}"
+        lines.append(f"prefix pool: {pool['builds']} builds, {pool['hits']} hits ({rate} of batches), "
+                     f"{pool['evictions']} evictions")
+        lines.append("tasks (top 20 by rows):")
+        width = max(len(t["task"]) for t in s["tasks"])
+        lines += [f"  {t['task']:<{width}} {t['rows']} rows, {t['batches']} batches, hit rate "
+                  + ("n/a" if t["hit_rate"] is None else f"{t['hit_rate']:.0%}") for t in s["tasks"]]
     if s["failed_reasons"]:
         lines.append("failed: " + ", ".join(f"{k} {v}" for k, v in s["failed_reasons"].items()))
     if s["rows_truncated"]:

@@ -184,3 +184,42 @@ def test_version_is_in_the_fingerprint_and_on_every_row(tiny_dir):
         labeled = (p | beam.Create([{"text": t} for t in TEXTS[:3]])
                    | ClassifyText(task=v2, model=tiny_dir, verify=False)).labeled
         assert_that(labeled | beam.Map(lambda r: r["task_version"]), equal_to(["2"] * 3))
+
+
+def test_pipeline_with_a_task_directory(tiny_dir, tmp_path, capsys):
+    """`python -m pipelines.classify --task_dir --task_column`, Parquet in and out, with the
+    per-task summary."""
+    import glob
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from pipelines import classify
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for key, spec in TASKS.items():
+        data = {"name": spec.name, "instructions": spec.instructions,
+                "labels": [label.name for label in spec.labels], "scoring": spec.scoring,
+                "suffix_template": spec.suffix_template}
+        if spec.version:
+            data["version"] = spec.version
+        (tasks / f"{key}.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
+    rows = _rows() + [{"id": "U1", "tenant": "nobody", "text": "hello"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    summary = classify.run([
+        "--runner=DirectRunner", f"--input={tmp_path}/in.parquet", f"--task_dir={tasks}", "--task_column=tenant",
+        f"--model={tiny_dir}", "--id_column=id", "--columns_to_keep=id,tenant,text", "--top_k=2",
+        f"--output={tmp_path}/out/labeled", "--verify=false"])
+    labeled = pa.concat_tables([pq.read_table(p) for p in glob.glob(f"{tmp_path}/out/labeled-*.parquet")])
+    failed = pa.concat_tables([pq.read_table(p) for p in glob.glob(f"{tmp_path}/out/failed-*.parquet")])
+    assert labeled.num_rows == 12 and failed.to_pylist()[0]["reason"] == "unknown_task"
+    assert {"task", "task_version", "top_k"} <= set(labeled.column_names)
+    assert not [c for c in labeled.column_names if c.startswith("prob_")]
+    assert all(r["task"] == r["tenant"] for r in labeled.to_pylist())
+    assert summary["accounted_for"] and summary["rows_read"] == 13
+    assert {t["task"]: t["rows"] for t in summary["tasks"]} == {"support": 4, "triage": 4, "banking": 4}
+    assert summary["prefix_pool"]["builds"] >= 3
+    printed = capsys.readouterr().out
+    assert "prefix pool:" in printed and "tasks (top 20 by rows):" in printed

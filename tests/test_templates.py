@@ -72,6 +72,7 @@ def test_installed_package_runs_from_any_directory(tmp_path):
                     "--target", str(target), str(ROOT)], check=True, cwd=tmp_path)
     assert (target / "pipelines" / "tasks" / "banking77.yaml").exists()
     assert (target / "pipelines" / "data" / "sample_tickets.parquet").exists()
+    assert (target / "pipelines" / "yaml" / "classify_tickets.yaml").exists()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
