@@ -43,3 +43,17 @@ def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     assert sliding["shared_max_prob_diff_vs_full"] <= 1e-4 and sliding["expanded_max_prob_diff_vs_full"] <= 1e-4
     assert [p["prefix_tokens"] for p in report["scaling"]] == sorted(p["prefix_tokens"] for p in report["scaling"])
     assert report["rss"]["rss_mb_1_thread"] > 0 and report["modes"][0]["mode"] == "int8"
+
+
+def test_routing_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
+    from benchmarks import routing
+
+    report = routing.run([f"--model={tiny_dir}", "--tasks=3", "--rows=12", "--rounds=1", "--capped_tasks=1",
+                          f"--out_dir={tmp_path}"])
+    assert json.loads((tmp_path / "routing.json").read_text())["tasks"] == 3
+    contenders = report["contenders"]
+    assert set(contenders) == {"routed", "per_task", "capped"}
+    assert all(c["agreement"] == 1.0 and c["peak_rss_mb"] > 0 for c in contenders.values())
+    assert contenders["routed"]["prefix_builds"] == 3 and contenders["routed"]["prefix_evictions"] == 0
+    assert contenders["capped"]["prefix_evictions"] > 0 and contenders["capped"]["prefix_builds"] > 3
+    assert report["routed_over_per_task"] == contenders["routed"]["rows_per_s"] / contenders["per_task"]["rows_per_s"]
