@@ -3,15 +3,19 @@
     rows | ClassifyText(tasks="tasks/", task_column="tenant")      # tasks/<key>.yaml
     rows | ClassifyText(tasks={"acme": acme_spec, "globex": "globex.yaml"}, task_column="tenant")
 
-Each row is classified with the task its `task_column` names. Rows are keyed by task (and
-one of `TASK_SHARDS` shards, so one busy task still spreads over workers) and batched per
-key by a stateful DoFn (`BatchPerTask`), so every forward pass runs over one prefix and the
-task's classifier is looked up once per batch in the worker's bounded `PrefixPool` (built
-on first use, evicted least recently used). A batch is emitted when full, at the end of
-its window, and, with ``max_batch_duration_secs``, that long after its first row (needed
-in streaming, where a global window never ends). Beam's `GroupIntoBatches` is not used:
-its processing-time timer sends DirectRunner to the bundle-based runner, which loses the
-outputs of such a step that feed more than one consumer (Beam 2.77). A row whose key names no
+Each row is classified with the task its `task_column` names, and every forward pass runs
+over one prefix, the task's classifier looked up once per batch in the worker's bounded
+`PrefixPool` (built on first use, evicted least recently used):
+
+- batch pipelines: rows are keyed by task (and one of `TASK_SHARDS` shards, so one busy
+  task still spreads over workers) and batched per key across the whole input by a
+  stateful DoFn (`BatchPerTask`: out when full or at the end of the window). Beam's
+  `GroupIntoBatches` is not used: its processing-time timer sends DirectRunner to the
+  bundle-based runner, which lost such a step's outputs feeding two consumers (Beam 2.77);
+- streaming: rows are batched per bundle (`BatchElements`, with ``max_batch_duration_secs``
+  across bundles) and grouped by task inside each batch. Keyed stateful batching would
+  hold rows behind the watermark, and on DirectRunner they then came out late and were
+  dropped by the next grouping. A row whose key names no
 task fails with reason ``unknown_task``.
 
 Labelled rows carry ``label``, ``score``, the optional ``top_k``, ``truncated``, ``task``
@@ -25,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import time
 from typing import Any, Mapping
 
 import apache_beam as beam
@@ -39,8 +42,8 @@ from beam_prefix.dofn import (FAILED_TAG, ClassifyConfig, PrefixCachedClassifyDo
 from beam_prefix.metrics import NAMESPACE
 from beam_prefix.task import TaskSpec
 
-__all__ = ["load_tasks", "TaskRoutes", "KeyByTask", "BatchPerTask", "BufferedBatchPerTask", "RoutedClassifyDoFn",
-           "MAX_TASK_METRICS", "TASK_SHARDS"]
+__all__ = ["load_tasks", "TaskRoutes", "KeyByTask", "BatchPerTask", "RoutedClassifyDoFn", "MAX_TASK_METRICS",
+           "TASK_SHARDS"]
 
 # per-task counters are named with the task key; past this many keys in a process the
 # rest count under "other" (metric names are not free on every runner)
@@ -166,29 +169,6 @@ class BatchPerTask(beam.DoFn):
         yield from _flush(key, rows, count)
 
 
-class BufferedBatchPerTask(BatchPerTask):
-    """`BatchPerTask` that also flushes `max_duration_s` after a batch's first row."""
-
-    BUFFERING = TimerSpec("buffering", TimeDomain.REAL_TIME)
-
-    def __init__(self, size: int, max_duration_s: float):
-        super().__init__(size)
-        self.max_duration_s = max_duration_s
-
-    def process(self, element, window=beam.DoFn.WindowParam, rows=beam.DoFn.StateParam(BatchPerTask.ROWS),
-                count=beam.DoFn.StateParam(BatchPerTask.COUNT),
-                window_end=beam.DoFn.TimerParam(BatchPerTask.WINDOW_END),
-                buffering=beam.DoFn.TimerParam(BUFFERING)):
-        if not count.read():
-            buffering.set(time.time() + self.max_duration_s)
-        yield from super().process(element, window, rows, count, window_end)
-
-    @on_timer(BUFFERING)
-    def on_buffering(self, key=beam.DoFn.KeyParam, rows=beam.DoFn.StateParam(BatchPerTask.ROWS),
-                     count=beam.DoFn.StateParam(BatchPerTask.COUNT)):
-        yield from _flush(key, rows, count)
-
-
 def _flush(key, rows, count):
     batch = list(rows.read())
     rows.clear()
@@ -198,7 +178,7 @@ def _flush(key, rows, count):
 
 
 class RoutedClassifyDoFn(PrefixCachedClassifyDoFn):
-    """Classify ``((task key, shard), [rows])`` batches with that task's pooled classifier."""
+    """Classify batches of routed rows, each task's rows with its pooled classifier."""
 
     def __init__(self, routes: TaskRoutes, *, step_name: str = "ClassifyText"):
         super().__init__(routes.configs[0][1], step_name=step_name)
@@ -208,10 +188,17 @@ class RoutedClassifyDoFn(PrefixCachedClassifyDoFn):
         self._attach("routed")  # each batch gets its task's classifier from the pool, on first use
         self._configs = self.routes.mapping
 
-    def process(self, keyed_batch):
-        (key, _), batch = keyed_batch
-        config = self._configs[key]
-        used = self._holder.use(config)
-        batch = list(batch)
-        self._metrics.prefix_use(used, task=self._holder.task_metric_name(key, MAX_TASK_METRICS), rows=len(batch))
-        yield from self._classify_rows(used.classifier.fork(), config, batch)
+    def process(self, batch):
+        """``((task, shard), [rows])`` from `BatchPerTask`, or a list of ``((task, shard), row)``
+        from `BatchElements` (streaming), grouped here by task."""
+        if isinstance(batch, tuple):
+            groups = {batch[0][0]: list(batch[1])}
+        else:
+            groups = {}
+            for (key, _), row in batch:
+                groups.setdefault(key, []).append(row)
+        for key, rows in groups.items():
+            config = self._configs[key]
+            used = self._holder.use(config)
+            self._metrics.prefix_use(used, task=self._holder.task_metric_name(key, MAX_TASK_METRICS), rows=len(rows))
+            yield from self._classify_rows(used.classifier.fork(), config, rows)

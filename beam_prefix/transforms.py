@@ -16,12 +16,12 @@ import os
 import typing
 
 import apache_beam as beam
+from apache_beam.options.pipeline_options import StandardOptions
 
 from beam_prefix.dofn import FAILED_TAG, LABELED_TAG, ClassifyConfig, PrefixCachedClassifyDoFn, Stamped
 from beam_prefix.model import EMBEDDED
 from beam_prefix.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB
-from beam_prefix.routing import (BatchPerTask, BufferedBatchPerTask, KeyByTask, RoutedClassifyDoFn, TaskRoutes,
-                                 load_tasks)
+from beam_prefix.routing import BatchPerTask, KeyByTask, RoutedClassifyDoFn, TaskRoutes, load_tasks
 from beam_prefix.schemas import FAILED_TYPE, ToRow, failed_row, input_fields, labeled_type
 from beam_prefix.task import TaskSpec
 
@@ -153,11 +153,14 @@ class ClassifyText(beam.PTransform):
         else:  # grouped by task before batching: each forward pass runs over one prefix
             keyed = stamped | "KeyByTask" >> beam.ParDo(KeyByTask(self._routes)).with_output_types(
                 typing.Tuple[typing.Tuple[str, int], typing.Any]).with_outputs(FAILED_TAG, main="keyed")
-            batcher = (BatchPerTask(self._max_batch_size) if self._max_batch_duration_secs is None else
-                       BufferedBatchPerTask(self._max_batch_size, self._max_batch_duration_secs))
+            if rows.pipeline.options.view_as(StandardOptions).streaming:
+                # per bundle, rows grouped by task inside each Beam batch: stateful batching
+                # would hold rows past the watermark (on DirectRunner they then come out late)
+                batched = keyed.keyed | "BatchPerBundle" >> beam.BatchElements(**batching)
+            else:  # each task's rows batched together across the whole input
+                batched = keyed.keyed | "BatchPerTask" >> beam.ParDo(BatchPerTask(self._max_batch_size))
             classified = (
-                keyed.keyed
-                | "BatchPerTask" >> beam.ParDo(batcher)
+                batched
                 | "Classify" >> beam.ParDo(RoutedClassifyDoFn(self._routes, step_name=self.label))
                 .with_outputs(FAILED_TAG, main=LABELED_TAG))
             labeled = classified[LABELED_TAG]

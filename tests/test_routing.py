@@ -223,3 +223,33 @@ def test_pipeline_with_a_task_directory(tiny_dir, tmp_path, capsys):
     assert summary["prefix_pool"]["builds"] >= 3
     printed = capsys.readouterr().out
     assert "prefix pool:" in printed and "tasks (top 20 by rows):" in printed
+
+
+def test_routing_in_streaming_and_with_a_batch_duration(tiny_dir):
+    """Streaming (TestStream): rows batched per bundle and grouped by task, each keeping its
+    timestamp; batch mode with max_batch_duration_secs: the same rows, every one once."""
+    from apache_beam.options.pipeline_options import StandardOptions
+    from apache_beam.testing.test_stream import TestStream
+    from apache_beam.transforms import window
+
+    rows = _rows(2) + [{"id": "U1", "tenant": "nobody", "text": "hello"}]
+    reference = _reference(tiny_dir, _rows(2))
+    stream = (TestStream().add_elements([window.TimestampedValue(r, i) for i, r in enumerate(rows[:3])])
+              .advance_watermark_to(10).add_elements([window.TimestampedValue(r, 10 + i) for i, r in enumerate(rows[3:])])
+              .advance_processing_time(5).advance_watermark_to_infinity())
+    options = PipelineOptions()
+    options.view_as(StandardOptions).streaming = True
+    stamps = {r["id"]: i if i < 3 else 10 + i - 3 for i, r in enumerate(rows)}
+    with TestPipeline(options=options) as p:
+        result = p | stream | ClassifyText(tasks=TASKS, task_column="tenant", model=tiny_dir, id_column="id",
+                                           verify=False)
+        assert_that(result.labeled | beam.Map(lambda r, ts=beam.DoFn.TimestampParam: (r["id"], r["label"],
+                                                                                      ts.micros // 10**6)),
+                    equal_to([(k, v[1].label, stamps[k]) for k, v in reference.items()]), label="Labeled")
+        assert_that(result.failed | beam.Map(lambda r: (r["id"], r["reason"])), equal_to([("U1", "unknown_task")]),
+                    label="Failed")
+    with TestPipeline() as p:
+        result = p | beam.Create(rows) | ClassifyText(tasks=TASKS, task_column="tenant", model=tiny_dir,
+                                                     max_batch_duration_secs=1, verify=False)
+        total = (result.labeled, result.failed) | beam.Flatten() | beam.combiners.Count.Globally()
+        assert_that(total, equal_to([len(rows)]))
