@@ -52,7 +52,7 @@ class ClassifyText(beam.PTransform):
             bundles are small). Rows buffered this way are released by a timer; where
             the runner does not hold the watermark for them (Python's DirectRunner
             releases them only at the window's end), windowing after classification can
-            find them late.
+            find them late. A routed step in a batch pipeline batches per task instead.
         batch_size: rows per forward pass inside a Beam batch.
         max_text_tokens, overflow, calibration, label_search, label_tolerance: override
             the task's settings (`label_search`: ``auto``, ``pruned`` or ``exhaustive``).
