@@ -78,7 +78,6 @@ def _prepare(options: PipelineOptions) -> None:
 def build(p: beam.Pipeline, options: PipelineOptions) -> Plan:
     """Add read -> classify -> write (labelled and failed) and the counting steps to `p`."""
     _prepare(options)
-    o = options.view_as(ClassifyOptions)
     labeled_to, failed_to = destinations(options)
     staging, summary_path = _stage(options, labeled_to, failed_to)
     staging.preflight()  # before anything loads: an unwritable output fails in one line

@@ -12,7 +12,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.dofn import ClassifyConfig, _ModelHolder
+from beam_prefix.dofn import _ModelHolder
 from beam_prefix.model import load_model
 from beam_prefix.prefix_pool import PrefixPool
 from beam_prefix.transforms import ClassifyText
