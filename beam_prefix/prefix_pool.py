@@ -1,8 +1,8 @@
 """`PrefixPool`: one worker process's prefix caches (one classifier per task), bounded.
 
 Each task's classifier (its prompt layout, its read-only prefix cache) is built on first
-use, once however many threads ask for it at the same time (builds run one at a time:
-they share the tokenizer), and shared by every thread
+use, once however many threads ask for it at the same time (builds run one at a time, so
+a burst of first uses does not run many CPU-heavy builds at once), and shared by every thread
 (each classifies through its own fork). When the pool's prefix caches pass `max_bytes`,
 the least recently used tasks are dropped; a dropped task is rebuilt, with identical
 results, on its next use. A fork still classifying keeps its prefix alive until it is
@@ -71,8 +71,7 @@ class PrefixPool:
             found = self._hit(key)
             if found is not None:
                 return found
-        # one build at a time (the tokenizer is shared, and a build tokenizes a great deal);
-        # lookups of built tasks go on meanwhile
+        # one build at a time (each is CPU-heavy); lookups of built tasks go on meanwhile
         with self._build_lock:
             with self._lock:
                 found = self._hit(key)  # built by another thread while this one waited

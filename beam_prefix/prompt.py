@@ -27,6 +27,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
+import weakref
 from typing import Sequence
 
 from beam_prefix.errors import BoundaryError, RowError, TaskSpecError, TextTooLongError
@@ -158,13 +160,13 @@ class PromptLayout:
     def _encode_static(self, s: str) -> tuple[int, ...]:
         if not s:
             return ()
-        return tuple(self.tokenizer(s, add_special_tokens=False).input_ids)
+        return tuple(_tokenize(self.tokenizer, s, add_special_tokens=False).input_ids)
 
     def _encode_plain(self, s: str) -> tuple[int, ...]:
         """Encode text with control strings kept as plain text."""
         if not s:
             return ()
-        return tuple(self.tokenizer(s, add_special_tokens=False, split_special_tokens=True).input_ids)
+        return tuple(_tokenize(self.tokenizer, s, add_special_tokens=False, split_special_tokens=True).input_ids)
 
     def _span(self, text: str, continuation: str = "") -> str:
         return self._lead + text + self._tail + continuation
@@ -252,7 +254,7 @@ class PromptLayout:
         return self.natural_ids(enc.text), enc
 
     def _truncate(self, text: str, budget: int) -> str:
-        offsets = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True,
+        offsets = _tokenize(self.tokenizer, text, add_special_tokens=False, split_special_tokens=True,
                                  return_offsets_mapping=True).offset_mapping
         cut = offsets[budget - 1][1]
         # Re-encoding the cut string may give a few more tokens (a split word); shrink until it fits.
@@ -301,6 +303,24 @@ class PromptLayout:
     def describe(self) -> str:
         return (f"{self.mode} prompt, {self.prefix_length} prefix tokens, suffix = "
                 f"{self._lead[self._split:] + '{text}' + self._tail + self._after!r}")
+
+
+# transformers sets the Rust tokenizer's shared `encode_special_tokens` flag on every call
+# that passes `split_special_tokens`, so two threads encoding with different settings (a
+# prompt build next to a row's encode) can each tokenize under the other's: a row's
+# "<|im_end|>" parsed as a control token, or a build's labels mixed up. One lock per
+# tokenizer makes each call whole.
+_TOKENIZER_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _tokenize(tokenizer, text: str, **kwargs):
+    with _LOCKS_LOCK:
+        lock = _TOKENIZER_LOCKS.get(tokenizer)
+        if lock is None:
+            lock = _TOKENIZER_LOCKS[tokenizer] = threading.Lock()
+    with lock:
+        return tokenizer(text, **kwargs)
 
 
 def _clean_text(text) -> str:
@@ -420,8 +440,8 @@ def _first_special_start(s: str, specials: Sequence[str]) -> int:
 
 
 def _bos_ids(tokenizer) -> tuple[int, ...]:
-    with_special = tokenizer("a", add_special_tokens=True).input_ids
-    without = tokenizer("a", add_special_tokens=False).input_ids
+    with_special = _tokenize(tokenizer, "a", add_special_tokens=True).input_ids
+    without = _tokenize(tokenizer, "a", add_special_tokens=False).input_ids
     n = len(with_special) - len(without)
     if n > 0 and with_special[n:n + len(without)] == without:
         return tuple(with_special[:n])
