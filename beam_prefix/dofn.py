@@ -287,13 +287,14 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
 
     def _failed(self, config: ClassifyConfig, row: dict, reason: str, error: str, stage: str, timestamp=None):
         self._metrics.rows_failed.inc()
-        return beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(failed_record(config, row, reason, error, stage), timestamp))
+        record = failed_record(row, id_value=row.get(config.id_column) if config.id_column else None,
+                               reason=reason, error=error, stage=stage)
+        return beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(record, timestamp))
 
 
-def failed_record(config: ClassifyConfig, row: dict, reason: str, error: str, stage: str) -> dict:
-    """A row of the ``failed`` output."""
-    return {"row": row, "id": row.get(config.id_column) if config.id_column else None,
-            "reason": reason, "error": error, "stage": stage}
+def failed_record(row, *, id_value=None, reason: str, error: str, stage: str) -> dict:
+    """A row of the ``failed`` output (also the shape of the pipelines' read failures)."""
+    return {"row": row, "id": id_value, "reason": reason, "error": error, "stage": stage}
 
 
 def _check_columns(config: ClassifyConfig, row: Mapping[str, Any]) -> None:

@@ -139,8 +139,9 @@ class KeyByTask(beam.DoFn):
             error = (f"column {self.routes.column!r} is missing" if self.routes.column not in as_dict else
                      f"no task {shown} (known: {self.routes.describe_keys()})")
         Metrics.counter(NAMESPACE, "rows_failed").inc()
-        yield beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(failed_record(config, as_dict, "unknown_task", error,
-                                                                         "validate"), ts))
+        id_value = as_dict.get(config.id_column) if config.id_column else None
+        yield beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(failed_record(
+            as_dict, id_value=id_value, reason="unknown_task", error=error, stage="validate"), ts))
 
 
 class BatchPerTask(beam.DoFn):

@@ -17,6 +17,7 @@ Dict rows have no schema: their outputs stay dicts (the same names and values).
 
 from __future__ import annotations
 
+import datetime
 import json
 import typing
 from typing import Any, Optional, Sequence
@@ -25,7 +26,7 @@ import apache_beam as beam
 from apache_beam.typehints import schemas
 from apache_beam.typehints.row_type import RowTypeConstraint
 
-__all__ = ["input_fields", "labeled_type", "FAILED_TYPE", "TOP_K_ENTRY", "ToRow", "failed_row", "json_text",
+__all__ = ["input_fields", "labeled_type", "FAILED_TYPE", "TOP_K_ENTRY", "ToRow", "failed_row", "failed_values", "json_text",
            "bigquery_schema", "bigquery_row"]
 
 TOP_K_ENTRY = RowTypeConstraint.from_fields([("label", str), ("score", float)])
@@ -68,29 +69,40 @@ class ToRow:
         return beam.Row(**values)
 
 
-def json_text(value) -> str:
-    """JSON text of a row, UTF-8 clean (a lone surrogate stays escaped)."""
-    def default(v):
-        if isinstance(v, (bytes, bytearray)):
-            return bytes(v).decode("utf-8", "backslashreplace")
-        if isinstance(v, beam.Row):
-            return v.as_dict()
-        return str(v)
+def _json_default(value):
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, beam.Row):
+        return value.as_dict()
+    return str(value)  # Decimal, numpy scalars...
 
-    text = json.dumps(value, ensure_ascii=False, default=default)
+
+def json_text(value) -> str:
+    """JSON text, UTF-8 clean: a lone surrogate (which no UTF-8 writer accepts) stays as its
+    JSON escape (``\\ud800``), so a failed row holding one can still be written."""
+    text = json.dumps(value, ensure_ascii=False, default=_json_default)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = json.dumps(value, ensure_ascii=True, default=default)
+        text = json.dumps(value, ensure_ascii=True, default=_json_default)
     return text
 
 
-def failed_row(record: dict) -> beam.Row:
-    """A failed record (``{"row", "id", "reason", "error", "stage"}``) -> a `FAILED_TYPE` row."""
+def failed_values(record: dict) -> dict:
+    """A failed record (``{"row", "id", "reason", "error", "stage"}``) as the failed
+    output's text columns: ``id`` (as text), ``reason``, ``error``, ``stage``, ``row`` (JSON)."""
     id_value = record.get("id")
-    return beam.Row(row=json_text(record.get("row")),
-                    id=None if id_value is None else (id_value if isinstance(id_value, str) else json_text(id_value)),
-                    reason=record["reason"], error=record["error"], stage=record["stage"])
+    return {"id": None if id_value is None else (id_value if isinstance(id_value, str) else json_text(id_value)),
+            "reason": record["reason"], "error": record["error"], "stage": record["stage"],
+            "row": json_text(record.get("row"))}
+
+
+def failed_row(record: dict) -> beam.Row:
+    """A failed record -> a `FAILED_TYPE` row."""
+    values = failed_values(record)
+    return beam.Row(**{name: values[name] for name, _ in FAILED_TYPE._fields})
 
 
 # Beam atomic types -> BigQuery column types (the rest, e.g. logical types, as STRING)

@@ -16,15 +16,15 @@ from __future__ import annotations
 import base64
 import datetime
 import decimal
-import json
 
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.dofn import FAILED_TAG, TOP_K_COLUMN, ClassifyConfig
+from beam_prefix.dofn import FAILED_TAG, TOP_K_COLUMN, ClassifyConfig, failed_record
+from beam_prefix.schemas import failed_values
+from beam_prefix.schemas import json_text as to_json  # the pipelines' name for it
 from pipelines.options import ClassifyOptions
-from pipelines.sources import failed_record
 from pipelines.summary import GOLD_KEY
 
 __all__ = ["kept_columns", "labeled_schema", "FAILED_SCHEMA", "ToOutputRow", "failed_output_row",
@@ -34,25 +34,6 @@ FAILED_SCHEMA = pa.schema([
     pa.field("id", pa.string()), pa.field("reason", pa.string()), pa.field("error", pa.string()),
     pa.field("stage", pa.string()), pa.field("row", pa.string()),
 ])
-
-
-def _json_default(value):
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "backslashreplace")
-    if isinstance(value, (datetime.date, datetime.time)):
-        return value.isoformat()
-    return str(value)  # Decimal, beam.Row, numpy scalars...
-
-
-def to_json(value) -> str:
-    """JSON text, UTF-8 clean: a lone surrogate (which no UTF-8 writer accepts) stays as its
-    JSON escape (``\\ud800``), so a failed row holding one can still be written."""
-    text = json.dumps(value, ensure_ascii=False, default=_json_default)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(value, ensure_ascii=True, default=_json_default)
-    return text
 
 
 def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.Field]:
@@ -137,12 +118,10 @@ class ToOutputRow(beam.DoFn):
 
 def failed_output_row(record: dict) -> dict:
     """A failed record (`ClassifyText`'s or a read step's) -> the failed output's columns."""
-    id_value, row = record.get("id"), record.get("row")
+    row = record.get("row")
     if isinstance(row, dict) and GOLD_KEY in row:
-        row = {k: v for k, v in row.items() if k != GOLD_KEY}
-    return {"id": None if id_value is None else (id_value if isinstance(id_value, str) else to_json(id_value)),
-            "reason": record["reason"], "error": record["error"], "stage": record["stage"],
-            "row": to_json(row)}
+        record = {**record, "row": {k: v for k, v in row.items() if k != GOLD_KEY}}
+    return failed_values(record)
 
 
 _ARROW_TO_BQ = [

@@ -25,17 +25,12 @@ from apache_beam.io import fileio
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
-from beam_prefix.dofn import FAILED_TAG
+from beam_prefix.dofn import FAILED_TAG, failed_record
 from pipelines.options import SAMPLE_TICKETS, ClassifyOptions
 
 __all__ = ["read_rows", "input_schema", "input_format", "describe_input", "failed_record"]
 
 _LOGGER = logging.getLogger(__name__)
-
-
-def failed_record(row, *, id_value=None, reason: str, error: str, stage: str) -> dict:
-    """A row of the failed output, as `ClassifyText` shapes it."""
-    return {"row": row, "id": id_value, "reason": reason, "error": error, "stage": stage}
 
 
 def input_format(options: PipelineOptions) -> str:
