@@ -53,17 +53,8 @@ class PrefixPool:
         self.builds = self.hits = self.evictions = 0
         self.peak_bytes = 0
 
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return self._bytes()
-
     def _bytes(self) -> int:
         return sum(c.prefix_cache.nbytes for c in self._entries.values())
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._entries)
 
     def get(self, key: str, build: Callable[[], PrefixClassifier]) -> PoolUse:
         """The classifier for `key`, built with `build()` if the pool lacks it."""

@@ -98,13 +98,6 @@ class TaskRoutes:
     def mapping(self) -> dict[str, ClassifyConfig]:
         return dict(self.configs)
 
-    @property
-    def output_columns(self) -> list[str]:
-        """The columns classification adds, as for one task; with ``prob_<label>`` only
-        when every task has the same labels."""
-        first = self.configs[0][1]
-        return first.output_columns
-
     def describe_keys(self) -> str:
         keys = [k for k, _ in self.configs]
         return ", ".join(keys[:_KNOWN_KEYS_SHOWN]) + (f", ... ({len(keys)} tasks)" if len(keys) > _KNOWN_KEYS_SHOWN
@@ -120,10 +113,11 @@ class KeyByTask(beam.DoFn):
 
     def setup(self):
         self._known = self.routes.mapping
+        self._config = self.routes.configs[0][1]  # text and id columns: the same for every task
 
     def process(self, element):
         row, ts = _unstamp(element)
-        config = next(iter(self._known.values()))
+        config = self._config
         try:
             as_dict = _as_dict(row, config.text_column)
             key = as_dict.get(self.routes.column)

@@ -112,10 +112,6 @@ class Staging:
             except Exception as e:  # noqa: BLE001 - cleanup must not hide the run's own error
                 _LOGGER.warning("could not remove the staging directory %s: %s", staging, e)
 
-    @property
-    def directories(self) -> list[str]:
-        return list(self._dirs.values())
-
 
 def _list(directory: str):
     """The files directly in `directory` (not Beam's ``beam-temp-*`` directories)."""

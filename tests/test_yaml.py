@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -12,17 +11,11 @@ from beam_prefix import PrefixClassifier
 from beam_prefix.model import load_model
 from beam_prefix.task import TaskSpec
 
+from test_beam import _read_jsonl
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 PIPELINE = os.path.join(ROOT, "pipelines", "yaml", "classify_tickets.yaml")
 TASK = os.path.join(ROOT, "pipelines", "tasks", "support_tickets.yaml")
-
-
-def _json_rows(pattern):
-    rows = []
-    for path in glob.glob(pattern):
-        with open(path, encoding="utf-8") as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return rows
 
 
 def test_yaml_pipeline_classifies_and_routes_errors(tiny_dir, tmp_path):
@@ -34,8 +27,8 @@ def test_yaml_pipeline_classifies_and_routes_errors(tiny_dir, tmp_path):
         f"--yaml_pipeline_file={PIPELINE}", "--runner=DirectRunner",
         "--jinja_variables=" + json.dumps({"input": str(tickets), "output": str(out), "task": TASK,
                                            "model": tiny_dir})])
-    labeled = {r["ticket_id"]: r for r in _json_rows(f"{out}/labeled.json*")}
-    errors = _json_rows(f"{out}/errors.json*")
+    labeled = {r["ticket_id"]: r for r in _read_jsonl(f"{out}/labeled.json*")}
+    errors = _read_jsonl(f"{out}/errors.json*")
     texts = {"T1": "I was charged twice", "T2": "The app crashes", "T4": "please delete my account"}
     clf = PrefixClassifier(task=TaskSpec.from_yaml(TASK), loaded=load_model(tiny_dir), verify=False)
     reference = dict(zip(texts, clf.classify_full(list(texts.values()))))
