@@ -77,16 +77,19 @@ class CountFailures(beam.DoFn):
         yield record
 
 
+def _reported(metric):
+    """A metric's committed value, else its attempted one (some runners report only that)."""
+    try:
+        value = metric.committed
+    except Exception:  # noqa: BLE001 - runners without committed metrics raise their own kind
+        value = None
+    return value if value is not None else metric.attempted
+
+
 def _counters(result, namespace: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for c in result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]:
-        try:
-            value = c.committed
-        except Exception:  # some runners only report attempted values
-            value = None
-        if value is None:
-            value = c.attempted
-        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(value or 0)
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(_reported(c) or 0)
     return out
 
 
@@ -94,11 +97,7 @@ def _distributions(result, namespace: str) -> dict[str, dict[str, int]]:
     """{name: {sum, count, min, max}} of the distributions in `namespace`."""
     out: dict[str, dict[str, int]] = {}
     for d in result.metrics().query(MetricsFilter().with_namespace(namespace))["distributions"]:
-        try:
-            value = d.committed
-        except Exception:  # some runners only report attempted values
-            value = None
-        value = value if value is not None else d.attempted
+        value = _reported(d)
         if value is None or not value.count:
             continue
         seen = out.setdefault(d.key.metric.name, {"sum": 0, "count": 0, "min": value.min, "max": value.max})
