@@ -55,5 +55,7 @@ def test_routing_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     assert set(contenders) == {"routed", "per_task", "capped"}
     assert all(c["agreement"] == 1.0 and c["peak_rss_mb"] > 0 for c in contenders.values())
     assert contenders["routed"]["prefix_builds"] == 3 and contenders["routed"]["prefix_evictions"] == 0
-    assert contenders["capped"]["prefix_evictions"] > 0 and contenders["capped"]["prefix_builds"] > 3
+    # the cap (1.5 of the first task's prefix) can hold a large and a small prefix but never the two
+    # large ones (tasks 0 and 2), so at least one eviction; rebuilds past 3 depend on the runner's order
+    assert contenders["capped"]["prefix_evictions"] > 0 and contenders["capped"]["prefix_builds"] >= 3
     assert report["routed_over_per_task"] == contenders["routed"]["rows_per_s"] / contenders["per_task"]["rows_per_s"]
