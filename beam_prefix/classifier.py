@@ -25,12 +25,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-from beam_prefix.attention import enable_shared_prefix
-from beam_prefix.errors import ContextLengthError, RowError, VerificationError
+from beam_prefix.cached_prompt import CachedPrompt
+from beam_prefix.errors import VerificationError
 from beam_prefix.label_search import search_labels
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
-from beam_prefix.prefix_cache import PrefixCache, WorkingCache
-from beam_prefix.prompt import PROBE_TEXTS, EncodedText, PromptLayout
+from beam_prefix.prefix_cache import WorkingCache
+from beam_prefix.prompt import EncodedText
 from beam_prefix.scoring import LabelTrie, OutputHead, choose_mode, score_cached, score_full
 from beam_prefix.task import TaskSpec
 
@@ -116,8 +116,6 @@ class PrefixClassifier:
         if label_search is not None or label_tolerance is not None:  # validated like the task file
             task = task.replace(**{k: v for k, v in (("label_search", label_search),
                                                        ("label_tolerance", label_tolerance)) if v is not None})
-        if prefix_attention not in ("auto", "shared", "expanded"):
-            raise ValueError(f"prefix_attention must be 'auto', 'shared' or 'expanded', got {prefix_attention!r}")
         self.task = task
         self.loaded = loaded
         self.model = loaded.model
@@ -131,6 +129,7 @@ class PrefixClassifier:
             self.layout, self.mode, self.head = _shared.layout, _shared.mode, _shared.head
             self.trie, self._first_ids = _shared.trie, _shared._first_ids
             self.prefix_cache, self._calibration = _shared.prefix_cache, _shared._calibration
+            self._prompt = _shared._prompt
             self.fingerprint, self.atol = _shared.fingerprint, _shared.atol
             self.prefix_attention = _shared.prefix_attention
             self.label_search = _shared.label_search
@@ -139,24 +138,22 @@ class PrefixClassifier:
             return
         dtype = next(self.model.parameters()).dtype
         self.atol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
-        self.layout = PromptLayout.build(task, self.tokenizer)
-        _check_context(self.layout, self.model, self.model_id)  # before the prefix's forward allocates
+        prompt = CachedPrompt.build(task, loaded, prefix_attention=prefix_attention)
+        self.layout, self.prefix_cache = prompt.layout, prompt.prefix_cache
+        self.prefix_attention, self.fingerprint = prompt.prefix_attention, prompt.fingerprint
+        self._prompt = prompt
         self.mode = choose_mode(task.scoring, self.layout.label_ids)
         self.head = OutputHead(self.model)
         self._first_ids = torch.tensor([ids[0] for ids in self.layout.label_ids], dtype=torch.long)
         if self.mode == "first_token" and len(set(self._first_ids.tolist())) < len(task.labels):
-            raise ValueError(f"scoring='first_token' but labels share first tokens; use 'sequence' or 'auto'")
+            raise ValueError("scoring='first_token' but labels share first tokens; use 'sequence' or 'auto'")
         self.trie = LabelTrie.build(self.layout.label_ids) if self.mode == "sequence" else None
-        start = time.perf_counter()
-        self.prefix_cache = PrefixCache(self.model, self.layout.prefix_ids)
-        self.prefix_attention = self._choose_attention(prefix_attention)
         self.label_search = self._choose_search(task.label_search)
         self._working = self._new_working()
-        self.fingerprint = self.layout.fingerprint(self.model_id)
         self._calibration: torch.Tensor | None = None
         _LOGGER.info("prefix cache: %s; %s scoring (%s label search); %s prefix attention; built in %.2f s",
-                     self.layout.describe(), self.mode, self.label_search, self.prefix_attention,
-                     time.perf_counter() - start)
+                     self.layout.describe(), self.mode, self.label_search, self.prefix_attention, prompt.build_s)
+        start = time.perf_counter() - prompt.build_s
         if task.calibration:
             self._calibration = self._calibration_vector(task.calibration)
         # what start-up cost, for run summaries: seconds, and the self-check's ms per row
@@ -192,17 +189,6 @@ class PrefixClassifier:
         return PrefixClassifier(task=self.task, loaded=self.loaded, batch_size=self.batch_size,
                                 max_batch_tokens=self.max_batch_tokens, verify=False, _shared=self)
 
-    def _choose_attention(self, requested: str) -> str:
-        if requested == "expanded":
-            return "expanded"
-        if enable_shared_prefix(self.model):
-            return "shared"
-        if requested == "shared":
-            raise ValueError(f"prefix_attention='shared' needs a model on sdpa attention that dispatches "
-                             f"through transformers' AttentionInterface; this one uses "
-                             f"{self.model.config._attn_implementation!r}")
-        return "expanded"
-
     def _choose_search(self, requested: str) -> str:
         if self.mode != "sequence":
             return "exhaustive"  # first-token scoring has no trie to search
@@ -213,7 +199,7 @@ class PrefixClassifier:
         return requested
 
     def _new_working(self) -> WorkingCache | None:
-        return self.prefix_cache.working_cache() if self.prefix_attention == "expanded" else None
+        return self._prompt.working_cache()
 
     # -- introspection --------------------------------------------------------------------
 
@@ -363,23 +349,6 @@ class PrefixClassifier:
         _LOGGER.info("calibration over %d content-free texts: %s", len(texts),
                      {n: round(math.exp(v), 3) for n, v in zip(self.task.label_names, vector.tolist())})
         return vector
-
-
-def _check_context(layout: PromptLayout, model, model_id: str) -> None:
-    """Refuse a prompt longer than the model's positions (past them a model extrapolates,
-    or fails, and a huge prefix makes one huge allocation)."""
-    config = model.config.get_text_config()
-    limit = getattr(config, "max_position_embeddings", None)
-    parts = layout.max_positions()
-    need = sum(parts.values())
-    if limit and need > limit:
-        room = limit - parts["prefix"] - parts["suffix"] - parts["label"]
-        fix = (f"lower max_text_tokens to {room} or less" if room >= 1 else
-               "shorten the instructions, label descriptions or examples")
-        raise ContextLengthError(
-            f"task {layout.task.name!r}: a row's prompt can take {need:,} positions (prefix {parts['prefix']:,} + "
-            f"suffix template {parts['suffix']} + text budget {parts['text']:,} + longest label {parts['label']}), "
-            f"over the {limit:,} of model {model_id} (max_position_embeddings); {fix}")
 
 
 def _disagreements(texts, cached: Sequence[Prediction], reference: Sequence[Prediction],

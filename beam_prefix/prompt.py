@@ -140,7 +140,8 @@ class PromptLayout:
                          label_lead=label_lead, terminator=terminator)
             bad = [p for p in probes if not layout._is_clean(p)]
             if not bad:
-                layout._derive_label_ids(probes[:3])
+                if task.kind == "classify":
+                    layout._derive_label_ids(probes[:3])
                 if split != len(lead):
                     _LOGGER.info("prefix boundary moved back %d chars (%r stays in the suffix) "
                                  "to keep it token-clean", len(lead) - split, lead[split:])
@@ -279,11 +280,14 @@ class PromptLayout:
     def max_positions(self) -> dict[str, int]:
         """The most positions one row's prompt takes, by part: ``prefix``, ``suffix`` (the
         template's static text around the row), ``text`` (the budget, `max_text_tokens`)
-        and ``label`` (the longest label continuation scored after the suffix)."""
+        and ``answer`` (the longest label continuation scored after the suffix, or an
+        extraction's `max_new_tokens`)."""
         probe = "x"
         static = len(self.suffix_for(probe)) - len(self._encode_plain(probe))
+        answer = (max((len(ids) for ids in self.label_ids), default=0) if self.task.kind == "classify"
+                  else self.task.max_new_tokens)
         return {"prefix": self.prefix_length, "suffix": max(static, 0), "text": self.task.max_text_tokens,
-                "label": max((len(ids) for ids in self.label_ids), default=0)}
+                "answer": answer}
 
     def fingerprint(self, model_id: str) -> str:
         """A stable hash of everything that shapes the scores: exact prefix ids, the static
@@ -291,10 +295,13 @@ class PromptLayout:
         payload = {
             "prefix_ids": list(self.prefix_ids),
             "suffix_static": [self._lead[self._split:], self._tail, list(self._after_ids)],
-            "labels": list(self.task.label_names),
-            "label_ids": [list(ids) for ids in self.label_ids],
             "model": model_id,
         }
+        if self.task.kind == "classify":
+            payload.update(labels=list(self.task.label_names), label_ids=[list(ids) for ids in self.label_ids])
+        else:  # the output schema and the decoding budget shape what is generated
+            payload.update(kind=self.task.kind, schema=self.task.json_schema(),
+                           max_new_tokens=self.task.max_new_tokens)
         if self.task.version is not None:  # (absent otherwise: unversioned fingerprints unchanged)
             payload["version"] = self.task.version
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
@@ -344,24 +351,11 @@ def _clean_text(text) -> str:
     return text
 
 
-def _labels_block(task: TaskSpec) -> str:
-    lines = []
-    for label in task.labels:
-        lines.append(f"- {label.name}: {label.description}" if label.description else f"- {label.name}")
-    return "Labels:\n" + "\n".join(lines)
-
-
-def _system_text(task: TaskSpec) -> str:
-    parts = [task.instructions.strip(), _labels_block(task),
-             "Answer with exactly one label name and nothing else."]
-    return "\n\n".join(p for p in parts if p)
-
-
 def _chat_messages(task: TaskSpec, text: str) -> list[dict]:
-    messages = [{"role": "system", "content": _system_text(task)}]
-    for example in task.examples:
-        messages.append({"role": "user", "content": task.render_suffix(example.text)})
-        messages.append({"role": "assistant", "content": example.label})
+    messages = [{"role": "system", "content": task.system_text()}]
+    for example, answer in task.example_turns():
+        messages.append({"role": "user", "content": task.render_suffix(example)})
+        messages.append({"role": "assistant", "content": answer})
     messages.append({"role": "user", "content": task.render_suffix(text)})
     return messages
 
@@ -396,20 +390,17 @@ def _chat_terminator(task: TaskSpec, tokenizer) -> str:
 
 
 def _render_plain(task: TaskSpec, text: str) -> str:
-    blocks = [_system_text(task)]
-    for example in task.examples:
-        blocks.append(f"{task.render_suffix(example.text)}\n{_PLAIN_ANSWER_LEAD} {example.label}")
+    blocks = [task.system_text()]
+    for example, answer in task.example_turns():
+        blocks.append(f"{task.render_suffix(example)}\n{_PLAIN_ANSWER_LEAD} {answer}")
     blocks.append(f"{task.render_suffix(text)}\n{_PLAIN_ANSWER_LEAD}")
     return "\n\n".join(blocks)
 
 
 def _refuse_control_strings(task: TaskSpec, specials: Sequence[str]) -> None:
-    """Labels and examples are rendered into the prompt as static text, which the
+    """Labels, fields and examples are rendered into the prompt as static text, which the
     tokenizer parses for control tokens: one holding `<|im_end|>` would end a turn."""
-    fields = [(f"labels: label {label.name[:60]!r}", label.name) for label in task.labels]
-    fields += [(f"labels: description of {label.name[:60]!r}", label.description) for label in task.labels]
-    fields += [(f"examples: example {e.text[:40]!r}", e.text + "\n" + e.label) for e in task.examples]
-    for where, text in fields:
+    for where, text in task.static_strings():
         found = next((sp for sp in specials if sp in text), None)
         if found is not None:
             raise TaskSpecError(f"{where} contains the tokenizer's control string {found!r}, which would be "

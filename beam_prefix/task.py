@@ -37,7 +37,7 @@ import yaml
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["Label", "Example", "TaskSpec", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
+__all__ = ["Label", "Example", "TaskSpec", "read_task_file", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
 
 MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
 _MAX_NAME_CHARS = 200
@@ -48,7 +48,7 @@ _SCORING_MODES = ("auto", "first_token", "sequence")
 LABEL_SEARCHES = ("auto", "pruned", "exhaustive")
 _KNOWN_KEYS = {
     "name", "instructions", "labels", "examples", "suffix_template", "model",
-    "calibration", "max_text_tokens", "overflow", "scoring", "label_search", "label_tolerance", "version",
+    "calibration", "max_text_tokens", "overflow", "scoring", "label_search", "label_tolerance", "version", "kind",
 }
 
 
@@ -199,9 +199,32 @@ class TaskSpec:
             raise TaskSpecError(f"version: expected a non-empty string of at most {_MAX_NAME_CHARS} characters, "
                                 f"got {_short(self.version)}")
 
+    kind = "classify"  # what the task file's optional `kind:` says (`extract_task.ExtractionSpec`: "extract")
+
     @property
     def label_names(self) -> tuple[str, ...]:
         return tuple(label.name for label in self.labels)
+
+    # -- what the prompt renders (`prompt.PromptLayout` asks every kind of task the same) --
+
+    def system_text(self) -> str:
+        """The static instructions block: instructions, the labels, the answer format."""
+        lines = [f"- {label.name}: {label.description}" if label.description else f"- {label.name}"
+                 for label in self.labels]
+        parts = [self.instructions.strip(), "Labels:\n" + "\n".join(lines),
+                 "Answer with exactly one label name and nothing else."]
+        return "\n\n".join(p for p in parts if p)
+
+    def example_turns(self) -> tuple[tuple[str, str], ...]:
+        """Few-shot turns as (row text, answer)."""
+        return tuple((e.text, e.label) for e in self.examples)
+
+    def static_strings(self) -> list[tuple[str, str]]:
+        """(where, text) of everything the task file puts into the prompt as static text."""
+        out = [(f"labels: label {label.name[:60]!r}", label.name) for label in self.labels]
+        out += [(f"labels: description of {label.name[:60]!r}", label.description) for label in self.labels]
+        out += [(f"examples: example {e.text[:40]!r}", e.text + "\n" + e.label) for e in self.examples]
+        return out
 
     def render_suffix(self, text: str) -> str:
         """The suffix template with `text` in its slot (no `str.format` on user text)."""
@@ -227,6 +250,10 @@ class TaskSpec:
         unknown = sorted(set(data) - _KNOWN_KEYS)
         if unknown:
             raise TaskSpecError(f"{source}: unknown field(s) {unknown}; known fields are {sorted(_KNOWN_KEYS)}")
+        if data.get("kind", cls.kind) != cls.kind:
+            raise TaskSpecError(f"{source}: kind {_short(data.get('kind'))} is not a classification task; "
+                                f"read it with beam_prefix.load_task")
+        data = {k: v for k, v in data.items() if k != "kind"}
         if "labels" not in data:
             raise TaskSpecError(f"{source}: no 'labels' field; a task needs at least two labels")
         kwargs = dict(data)
@@ -243,23 +270,28 @@ class TaskSpec:
     def from_yaml(cls, path: str | os.PathLike) -> "TaskSpec":
         """Read a task file (YAML, safe-loaded)."""
         path = os.fspath(path)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_TASK_FILE_BYTES + 1)
-        except OSError as e:
-            raise TaskSpecError(f"task file {path!r} cannot be read: {e}") from e
-        if len(raw) > MAX_TASK_FILE_BYTES:
-            raise TaskSpecError(f"task file {path!r} is larger than {MAX_TASK_FILE_BYTES:,} bytes")
-        try:
-            data = yaml.load(raw.decode("utf-8"), Loader=_TaskLoader)  # noqa: S506 - a SafeLoader
-        except UnicodeDecodeError as e:
-            raise TaskSpecError(f"task file {path!r} is not UTF-8: {e}") from None
-        except yaml.YAMLError as e:
-            raise TaskSpecError(f"task file {path!r} is not valid YAML: {_cut(str(e), 500)}") from None
-        spec = cls.from_dict(data, source=f"task file {path!r}")
+        spec = cls.from_dict(read_task_file(path), source=f"task file {path!r}")
         if spec.name == "task":
             spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
         return spec
+
+
+def read_task_file(path: str) -> Any:
+    """The parsed YAML document of a task file, of any kind (bounded, no aliases or duplicate keys)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TASK_FILE_BYTES + 1)
+    except OSError as e:
+        raise TaskSpecError(f"task file {path!r} cannot be read: {e}") from e
+    if len(raw) > MAX_TASK_FILE_BYTES:
+        raise TaskSpecError(f"task file {path!r} is larger than {MAX_TASK_FILE_BYTES:,} bytes")
+    try:
+        data = yaml.load(raw.decode("utf-8"), Loader=_TaskLoader)  # noqa: S506 - a SafeLoader
+    except UnicodeDecodeError as e:
+        raise TaskSpecError(f"task file {path!r} is not UTF-8: {e}") from None
+    except yaml.YAMLError as e:
+        raise TaskSpecError(f"task file {path!r} is not valid YAML: {_cut(str(e), 500)}") from None
+    return data
 
 
 class _TaskLoader(yaml.SafeLoader):

@@ -1,0 +1,93 @@
+"""A task's prompt prepared over a loaded model: what every prefix-cached engine starts from.
+
+`CachedPrompt.build` renders the task (`PromptLayout`), checks that a row's whole prompt
+fits the model's positions, runs the prefix once (`PrefixCache`) and chooses how rows
+attend to it (shared-prefix attention where the model allows, else the expanded working
+cache). Classification (`PrefixClassifier`) and extraction (`Extractor`) both hold one,
+so they build, check and fingerprint prompts the same way.
+
+Everything here is read-only after `build` and may be shared by threads; the one mutable
+part, the expanded engine's `WorkingCache`, is made per caller by `working_cache()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from beam_prefix.attention import enable_shared_prefix
+from beam_prefix.errors import ContextLengthError
+from beam_prefix.model import LoadedModel
+from beam_prefix.prefix_cache import PrefixCache, WorkingCache
+from beam_prefix.prompt import PromptLayout
+
+__all__ = ["CachedPrompt", "PREFIX_ATTENTIONS"]
+
+PREFIX_ATTENTIONS = ("auto", "shared", "expanded")
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPrompt:
+    """A task rendered for a model, with its prefix computed.
+
+    Attributes:
+        layout: the rendered prompt and its token-clean split.
+        prefix_cache: the prefix's keys and values (``[1, kv_heads, P, head_dim]`` per layer).
+        prefix_attention: ``"shared"`` or ``"expanded"`` (see `PrefixClassifier`).
+        fingerprint: hash of everything that shapes outputs (prompt ids, answers, model id).
+        build_s: seconds the prefix's forward pass took.
+    """
+
+    layout: PromptLayout
+    prefix_cache: PrefixCache
+    prefix_attention: str
+    fingerprint: str
+    build_s: float
+
+    @classmethod
+    def build(cls, task, loaded: LoadedModel, *, prefix_attention: str = "auto") -> "CachedPrompt":
+        if prefix_attention not in PREFIX_ATTENTIONS:
+            raise ValueError(f"prefix_attention must be 'auto', 'shared' or 'expanded', got {prefix_attention!r}")
+        layout = PromptLayout.build(task, loaded.tokenizer)
+        check_context(layout, loaded.model, loaded.model_id)  # before the prefix's forward allocates
+        start = time.perf_counter()
+        prefix = PrefixCache(loaded.model, layout.prefix_ids)
+        return cls(layout=layout, prefix_cache=prefix,
+                   prefix_attention=choose_prefix_attention(loaded.model, prefix_attention),
+                   fingerprint=layout.fingerprint(loaded.model_id), build_s=time.perf_counter() - start)
+
+    def working_cache(self) -> WorkingCache | None:
+        """A new per-caller working cache on the expanded engine; None under shared attention."""
+        return self.prefix_cache.working_cache() if self.prefix_attention == "expanded" else None
+
+
+def choose_prefix_attention(model, requested: str) -> str:
+    """``"shared"`` where the model supports it (switching it to the sdpa-equivalent
+    `attention.SHARED_SDPA`), unless `requested` is ``"expanded"``."""
+    if requested == "expanded":
+        return "expanded"
+    if enable_shared_prefix(model):
+        return "shared"
+    if requested == "shared":
+        raise ValueError(f"prefix_attention='shared' needs a model on sdpa attention that dispatches "
+                         f"through transformers' AttentionInterface; this one uses "
+                         f"{model.config._attn_implementation!r}")
+    return "expanded"
+
+
+def check_context(layout: PromptLayout, model, model_id: str) -> None:
+    """Refuse a prompt longer than the model's positions (past them a model extrapolates,
+    or fails, and a huge prefix makes one huge allocation)."""
+    config = model.config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    parts = layout.max_positions()
+    need = sum(parts.values())
+    if limit and need > limit:
+        answer = "longest label" if layout.task.kind == "classify" else "max_new_tokens"
+        room = limit - parts["prefix"] - parts["suffix"] - parts["answer"]
+        fix = (f"lower max_text_tokens to {room} or less" if room >= 1 else
+               "shorten the instructions, label descriptions, fields or examples")
+        raise ContextLengthError(
+            f"task {layout.task.name!r}: a row's prompt can take {need:,} positions (prefix {parts['prefix']:,} + "
+            f"suffix template {parts['suffix']} + text budget {parts['text']:,} + {answer} {parts['answer']}), "
+            f"over the {limit:,} of model {model_id} (max_position_embeddings); {fix}")
