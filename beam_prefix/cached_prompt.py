@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Iterator, Sequence
 
 from beam_prefix.attention import enable_shared_prefix
 from beam_prefix.errors import ContextLengthError
@@ -21,7 +22,7 @@ from beam_prefix.model import LoadedModel
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache
 from beam_prefix.prompt import PromptLayout
 
-__all__ = ["CachedPrompt", "PREFIX_ATTENTIONS"]
+__all__ = ["CachedPrompt", "PREFIX_ATTENTIONS", "length_batches"]
 
 PREFIX_ATTENTIONS = ("auto", "shared", "expanded")
 
@@ -91,3 +92,16 @@ def check_context(layout: PromptLayout, model, model_id: str) -> None:
             f"task {layout.task.name!r}: a row's prompt can take {need:,} positions (prefix {parts['prefix']:,} + "
             f"suffix template {parts['suffix']} + text budget {parts['text']:,} + {answer} {parts['answer']}), "
             f"over the {limit:,} of model {model_id} (max_position_embeddings); {fix}")
+
+
+def length_batches(widths: Sequence[int], batch_size: int, max_tokens: int) -> Iterator[list[int]]:
+    """Row indices in batches of similar width (new tokens per row), shortest first: at
+    most `batch_size` rows and, past one row, at most `max_tokens` rows x widest width."""
+    batch: list[int] = []
+    for i in sorted(range(len(widths)), key=widths.__getitem__):
+        if batch and (len(batch) >= batch_size or (len(batch) + 1) * widths[i] > max_tokens):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch

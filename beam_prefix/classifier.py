@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from beam_prefix.cached_prompt import CachedPrompt
+from beam_prefix.cached_prompt import CachedPrompt, length_batches
 from beam_prefix.errors import VerificationError
 from beam_prefix.label_search import search_labels
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
@@ -292,9 +292,9 @@ class PrefixClassifier:
                     search: str | None = None) -> list[tuple[torch.Tensor, int]]:
         """Raw label scores and label tokens run, per row, in input order."""
         search = search or self.label_search
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].suffix_ids))
         out: list[tuple[torch.Tensor, int] | None] = [None] * len(encoded)
-        for batch in self._batches(order, encoded):
+        widths = [len(e.suffix_ids) + self.label_tokens for e in encoded]
+        for batch in length_batches(widths, self.batch_size, self.max_batch_tokens):
             suffixes = [encoded[i].suffix_ids for i in batch]
             # only a working cache is mutable: shared-prefix calls may run in parallel
             with self._lock if self._working is not None else contextlib.nullcontext():
@@ -310,17 +310,6 @@ class PrefixClassifier:
             for i, r, n in zip(batch, raw, runs):
                 out[i] = (r, n)
         return out
-
-    def _batches(self, order: list[int], encoded: Sequence[EncodedText]):
-        batch: list[int] = []
-        for i in order:
-            width = len(encoded[i].suffix_ids) + self.label_tokens  # sorted: the batch's widest
-            if batch and (len(batch) >= self.batch_size or (len(batch) + 1) * width > self.max_batch_tokens):
-                yield batch
-                batch = []
-            batch.append(i)
-        if batch:
-            yield batch
 
     def _normalise(self, raw: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(raw.float(), dim=-1)

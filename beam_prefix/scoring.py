@@ -67,6 +67,13 @@ class OutputHead:
             logits = logits + self.bias[token_ids]
         return self._finish(logits.float())
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary. hidden: ``[N, H]`` -> ``[N, V]`` (fp32)."""
+        logits = hidden @ self.weight.T
+        if self.bias is not None:
+            logits = logits + self.bias
+        return self._finish(logits.float())
+
     def pair_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Logit of one token per row. hidden: ``[N, H]``; token_ids: ``[N]`` -> ``[N]``."""
         logits = (hidden * self.weight[token_ids]).sum(-1)

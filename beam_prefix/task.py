@@ -37,7 +37,7 @@ import yaml
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["Label", "Example", "TaskSpec", "read_task_file", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
+__all__ = ["Label", "Example", "TaskSpec", "read_task_file", "validate_common", "suffix_parts", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
 
 MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
 _MAX_NAME_CHARS = 200
@@ -143,11 +143,7 @@ class TaskSpec:
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.name, str) or not self.name.strip() or len(self.name) > _MAX_NAME_CHARS:
-            raise TaskSpecError(f"name: expected a non-empty string of at most {_MAX_NAME_CHARS} characters, "
-                                f"got {_short(self.name)}")
-        if not isinstance(self.instructions, str):
-            raise TaskSpecError(f"instructions: expected a string, got {type(self.instructions).__name__}")
+        validate_common(self)
         if not self.labels:
             raise TaskSpecError("labels: a task needs at least two labels, got none")
         if len(self.labels) < 2:
@@ -163,19 +159,6 @@ class TaskSpec:
                     f"examples: example {example.text[:40]!r} has label {example.label!r}, "
                     f"which is not one of {list(self.label_names)}"
                 )
-        if not isinstance(self.suffix_template, str):
-            raise TaskSpecError("suffix_template: expected a string with one {text} slot")
-        fields = _template_fields(self.suffix_template)
-        if fields != ["text"]:
-            raise TaskSpecError(
-                f"suffix_template: {self.suffix_template!r} must contain exactly one {{text}} slot "
-                f"and no other fields (found {fields or 'none'}); write literal braces as {{{{ }}}}"
-            )
-        if not isinstance(self.max_text_tokens, int) or isinstance(self.max_text_tokens, bool) \
-                or self.max_text_tokens < 1:
-            raise TaskSpecError(f"max_text_tokens: expected a positive integer, got {self.max_text_tokens!r}")
-        if self.overflow not in _OVERFLOW_POLICIES:
-            raise TaskSpecError(f"overflow: expected one of {_OVERFLOW_POLICIES}, got {self.overflow!r}")
         if self.scoring not in _SCORING_MODES:
             raise TaskSpecError(f"scoring: expected one of {_SCORING_MODES}, got {self.scoring!r}")
         if self.label_search not in LABEL_SEARCHES:
@@ -190,14 +173,6 @@ class TaskSpec:
                 object.__setattr__(self, "label_tolerance", tol)
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise TaskSpecError(f"label_tolerance: expected a number between 0 and 1 (exclusive), got {tol!r}")
-        if self.model is not None and not isinstance(self.model, str):
-            raise TaskSpecError(f"model: expected a string, got {_short(self.model)}")
-        if isinstance(self.version, (int, float)) and not isinstance(self.version, bool):
-            object.__setattr__(self, "version", str(self.version))  # `version: 3` or `1.2` in YAML
-        if self.version is not None and (not isinstance(self.version, str) or not self.version.strip()
-                                         or len(self.version) > _MAX_NAME_CHARS):
-            raise TaskSpecError(f"version: expected a non-empty string of at most {_MAX_NAME_CHARS} characters, "
-                                f"got {_short(self.version)}")
 
     kind = "classify"  # what the task file's optional `kind:` says (`extract_task.ExtractionSpec`: "extract")
 
@@ -233,10 +208,7 @@ class TaskSpec:
 
     def suffix_parts(self) -> tuple[str, str]:
         """The literal text before and after the `{text}` slot."""
-        marker = "\x00TEXT\x00"
-        rendered = self.suffix_template.format(text=marker)
-        head, tail = rendered.split(marker)
-        return head, tail
+        return suffix_parts(self.suffix_template)
 
     def replace(self, **changes: Any) -> "TaskSpec":
         """A copy with some fields changed (e.g. `task.replace(calibration=True)`)."""
@@ -274,6 +246,44 @@ class TaskSpec:
         if spec.name == "task":
             spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
         return spec
+
+
+def validate_common(spec) -> None:
+    """The checks every kind of task shares: name, instructions, suffix template, text
+    budget and overflow policy, model, version (a number in YAML becomes its string)."""
+    if not isinstance(spec.name, str) or not spec.name.strip() or len(spec.name) > _MAX_NAME_CHARS:
+        raise TaskSpecError(f"name: expected a non-empty string of at most {_MAX_NAME_CHARS} characters, "
+                            f"got {_short(spec.name)}")
+    if not isinstance(spec.instructions, str):
+        raise TaskSpecError(f"instructions: expected a string, got {type(spec.instructions).__name__}")
+    if not isinstance(spec.suffix_template, str):
+        raise TaskSpecError("suffix_template: expected a string with one {text} slot")
+    fields = _template_fields(spec.suffix_template)
+    if fields != ["text"]:
+        raise TaskSpecError(
+            f"suffix_template: {spec.suffix_template!r} must contain exactly one {{text}} slot "
+            f"and no other fields (found {fields or 'none'}); write literal braces as {{{{ }}}}"
+        )
+    if not isinstance(spec.max_text_tokens, int) or isinstance(spec.max_text_tokens, bool) \
+            or spec.max_text_tokens < 1:
+        raise TaskSpecError(f"max_text_tokens: expected a positive integer, got {spec.max_text_tokens!r}")
+    if spec.overflow not in _OVERFLOW_POLICIES:
+        raise TaskSpecError(f"overflow: expected one of {_OVERFLOW_POLICIES}, got {spec.overflow!r}")
+    if spec.model is not None and not isinstance(spec.model, str):
+        raise TaskSpecError(f"model: expected a string, got {_short(spec.model)}")
+    if isinstance(spec.version, (int, float)) and not isinstance(spec.version, bool):
+        object.__setattr__(spec, "version", str(spec.version))  # `version: 3` or `1.2` in YAML
+    if spec.version is not None and (not isinstance(spec.version, str) or not spec.version.strip()
+                                     or len(spec.version) > _MAX_NAME_CHARS):
+        raise TaskSpecError(f"version: expected a non-empty string of at most {_MAX_NAME_CHARS} characters, "
+                            f"got {_short(spec.version)}")
+
+
+def suffix_parts(template: str) -> tuple[str, str]:
+    """The literal text before and after a suffix template's `{text}` slot."""
+    marker = "\x00TEXT\x00"
+    head, tail = template.format(text=marker).split(marker)
+    return head, tail
 
 
 def read_task_file(path: str) -> Any:

@@ -1,0 +1,111 @@
+"""Greedy, schema-constrained decoding over the cached prefix, and its no-cache reference.
+
+`decode_cached` generates for a batch of rows through the one prefix-attention forward
+path (`engine.forward`): the suffixes run as one packed pass, then each step runs one new
+token per unfinished row. A row's suffix and generated tokens keep their keys and values
+in the call's `CallState` (or, on the expanded engine, in the working cache, cropped on
+exit), so a new token attends to the prefix, its own row's suffix and its own earlier
+tokens, at position ``prefix + suffix + t``. A finished row has no token in later steps
+(packed batches compute nothing for it). Nothing outlives the call, also when a forward
+raises: the call state is a local, the working cache is cropped by `WorkingCache.use`.
+
+`decode_full` is the reference: the row's whole prompt re-encoded and run from scratch,
+then plain incremental decoding on the model's own cache, with the same constraint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from beam_prefix.constraints import RowMatchers
+from beam_prefix.engine import CallState, Step, forward
+from beam_prefix.prefix_cache import PrefixCache, WorkingCache
+from beam_prefix.scoring import OutputHead
+
+__all__ = ["Decoded", "decode_cached", "decode_full"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """One row's generated tokens.
+
+    Attributes:
+        tokens: the chosen token ids, in order (an end-of-text token included if chosen).
+        finished: the output closed before `max_new_tokens` ran out.
+    """
+
+    tokens: tuple[int, ...]
+    finished: bool
+
+
+def decode_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequence[Sequence[int]],
+                  matchers: RowMatchers, max_new_tokens: int, *,
+                  working: WorkingCache | None = None) -> list[Decoded]:
+    """Greedy constrained decoding for each suffix (row r uses matcher r), batched."""
+    step = Step.suffixes(suffixes, prefix.length)
+    batch = step.ids.shape[0]
+    ends = prefix.length + step.lengths  # position of each row's first generated token
+    call = CallState(batch)
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    finished = [False] * batch
+    with torch.inference_mode():
+        seat = working.use(batch, plain=True) if working is not None else contextlib.nullcontext()
+        with seat as cache:
+            hidden = forward(model, prefix, step, cache=cache, call=call)
+            last = hidden[torch.arange(batch), step.lengths - 1]  # [B, H]
+            active = list(range(batch))
+            for t in range(max_new_tokens):
+                chosen = matchers.choose(head.logits(last[active]), active)
+                still = []
+                for row, token in zip(active, chosen):
+                    tokens[row].append(token)
+                    if matchers.advance(row, token):
+                        finished[row] = True
+                    else:
+                        still.append(row)
+                active = still
+                if not active or t + 1 == max_new_tokens:
+                    break
+                hidden = forward(model, prefix, _token_step(tokens, active, call, ends + t), cache=cache, call=call)
+                last = hidden[:, 0]
+    return [Decoded(tuple(t), f) for t, f in zip(tokens, finished)]
+
+
+def _token_step(tokens: list[list[int]], active: list[int], call: CallState, positions: torch.Tensor) -> Step:
+    """The latest token of each active row, ``[B, 1]``; it sees its own row's earlier tokens."""
+    batch = len(tokens)
+    real = torch.zeros(batch, 1, dtype=torch.bool)
+    real[active] = True
+    ids = torch.tensor([[t[-1] if t else 0] for t in tokens], dtype=torch.long)
+    return Step(ids=ids, positions=positions[:, None], real=real, see_new=real[:, :, None].clone(),
+                see_past=call.real[:, None, :] & real[:, :, None])
+
+
+def decode_full(model, prompt_ids: Sequence[int], matchers: RowMatchers, row: int,
+                max_new_tokens: int) -> Decoded:
+    """Reference for one row: its whole prompt run with no prefix cache, then incremental
+    decoding on the model's own cache (matcher `row` of `matchers`)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    n = len(prompt_ids)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    cache = DynamicCache(config=model.config)
+    tokens: list[int] = []
+    with torch.inference_mode():
+        out = model(input_ids=ids, position_ids=torch.arange(n, device=device)[None], cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        for t in range(max_new_tokens):
+            token = matchers.choose(out.logits[:, -1], [row])[0]
+            tokens.append(token)
+            if matchers.advance(row, token):
+                return Decoded(tuple(tokens), True)
+            if t + 1 == max_new_tokens:
+                break
+            out = model(input_ids=torch.tensor([[token]], device=device),
+                        position_ids=torch.tensor([[n + t]], device=device), cache=cache, use_cache=True)
+    return Decoded(tuple(tokens), False)
