@@ -25,8 +25,11 @@ Task file format (``kind: extract``; a file without ``kind`` is a classification
     overflow: truncate
     version: "1"
 
-Field types: ``string`` (``max_length`` characters, default 200), ``integer``,
-``number``, ``boolean``, ``enum`` (``values``: strings), ``date`` (``YYYY-MM-DD``). A field
+Field types: ``string`` (``max_length`` characters, default 200), ``integer`` and
+``number`` (at most 15 digits either side of zero, so int64/float64 columns hold them
+exactly), ``boolean``, ``enum`` (``values``: strings), ``date`` (``YYYY-MM-DD``, years
+0001-9999; the grammar knows each month's days but not leap years, so a generated
+February 29 of a common year is caught after decoding: the row reports it as a problem). A field
 is required by default; ``required: false`` (or ``nullable: true``) lets the model answer
 ``null`` when the text does not say.
 """
@@ -46,6 +49,10 @@ from beam_prefix.task import TaskSpec, _as_sequence, _short, read_task_file, suf
 __all__ = ["Field", "ExtractExample", "ExtractionSpec", "FIELD_TYPES", "load_task"]
 
 FIELD_TYPES = ("string", "integer", "number", "boolean", "enum", "date")
+# integers and numbers stay within 15 digits: int64 and float64 columns hold them exactly
+# (an unbounded JSON integer from a small model can run to dozens of digits)
+NUMBER_LIMIT = 10 ** 15 - 1
+_YEAR_FROM_1 = "^(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # a column name in Parquet, BigQuery and Beam
 _FIELD_KEYS = {"name", "type", "description", "values", "required", "nullable", "max_length"}
 _KNOWN_KEYS = {"kind", "name", "instructions", "fields", "examples", "suffix_template", "model",
@@ -102,8 +109,10 @@ class Field:
             schema: dict = {"enum": list(self.values)}
         elif self.type == "string":
             schema = {"type": "string", "maxLength": self.max_length}
-        elif self.type == "date":
-            schema = {"type": "string", "format": "date"}
+        elif self.type == "date":  # the format allows year 0000, which no date column holds
+            schema = {"type": "string", "format": "date", "pattern": _YEAR_FROM_1}
+        elif self.type in ("integer", "number"):
+            schema = {"type": self.type, "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}
         else:
             schema = {"type": self.type}
         return {"anyOf": [schema, {"type": "null"}]} if self.nullable else schema
@@ -113,8 +122,8 @@ class Field:
         if value is None:
             return None if self.nullable else "is null but the field is required"
         ok = {"string": lambda v: isinstance(v, str) and len(v) <= self.max_length,
-              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) <= NUMBER_LIMIT,
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= NUMBER_LIMIT,
               "boolean": lambda v: isinstance(v, bool),
               "enum": lambda v: v in self.values,
               "date": _is_date}[self.type](value)

@@ -52,6 +52,8 @@ class Extraction:
         text_tokens: tokens of the row's text before any truncation.
         truncated: whether the text was cut to the token budget.
         tokens: the generated token ids (what `verify` compares).
+        problem: why a closed output is still not valid (a date the grammar cannot rule
+            out, see `extract_task`); `values` is then None.
     """
 
     values: dict[str, Any] | None
@@ -61,6 +63,7 @@ class Extraction:
     text_tokens: int = 0
     truncated: bool = False
     tokens: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    problem: str | None = None
 
 
 class Extractor:
@@ -211,10 +214,14 @@ class Extractor:
     def _extraction(self, decoded: Decoded, enc: EncodedText) -> Extraction:
         kept = [t for t in decoded.tokens if t not in self.constraint.eos_ids]
         raw = self.tokenizer.decode(kept)
-        values = None
+        values, problem = None, None
         if decoded.finished:
-            parsed = json.loads(raw)  # the schema guarantees it parses and validates
-            values = {name: parsed[name] for name in self.task.field_names}
+            try:  # the grammar makes it parse; the checks also know leap years
+                parsed = json.loads(raw)
+                self.task.check_output(parsed)
+                values = {name: parsed[name] for name in self.task.field_names}
+            except (ValueError, TaskSpecError) as e:
+                problem = str(e)
         return Extraction(values=values, raw_output=raw, finished=decoded.finished,
                           generated_tokens=len(decoded.tokens), text_tokens=enc.text_tokens,
-                          truncated=enc.truncated, tokens=decoded.tokens)
+                          truncated=enc.truncated, tokens=decoded.tokens, problem=problem)

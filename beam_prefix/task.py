@@ -219,12 +219,12 @@ class TaskSpec:
         """Build a task from a parsed mapping (the YAML document)."""
         if not isinstance(data, Mapping):
             raise TaskSpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-        unknown = sorted(set(data) - _KNOWN_KEYS)
-        if unknown:
-            raise TaskSpecError(f"{source}: unknown field(s) {unknown}; known fields are {sorted(_KNOWN_KEYS)}")
         if data.get("kind", cls.kind) != cls.kind:
             raise TaskSpecError(f"{source}: kind {_short(data.get('kind'))} is not a classification task; "
                                 f"read it with beam_prefix.load_task")
+        unknown = sorted(set(data) - _KNOWN_KEYS, key=str)
+        if unknown:
+            raise TaskSpecError(f"{source}: unknown field(s) {unknown}; known fields are {sorted(_KNOWN_KEYS)}")
         data = {k: v for k, v in data.items() if k != "kind"}
         if "labels" not in data:
             raise TaskSpecError(f"{source}: no 'labels' field; a task needs at least two labels")
