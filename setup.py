@@ -33,6 +33,7 @@ setup(
         "pyyaml>=6,<7",
         "numpy>=2,<3",
         "matplotlib>=3.9,<4",  # the confusion-matrix PNG of --eval_label_column
+        "llguidance>=1.9.1,<1.10",  # schema-constrained decoding for extraction (beam_prefix.constraints)
     ],
     extras_require={
         # Beam YAML pipelines (beam_prefix.yaml_provider) and beam.dataframe on the outputs

@@ -32,7 +32,7 @@ from beam_prefix.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB, PoolUse, Prefix
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.task import TaskSpec
 
-__all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "FAILED_TAG", "LABELED_TAG", "prob_column",
+__all__ = ["PrefixCachedClassifyDoFn", "PrefixStepDoFn", "StepConfig", "ClassifyConfig", "FAILED_TAG", "LABELED_TAG", "prob_column",
            "TOP_K_COLUMN", "PROB_COLUMNS_MAX_LABELS"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -55,8 +55,9 @@ def prob_column(label: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class ClassifyConfig:
-    """What the DoFn needs; validated at pipeline construction, not on the workers.
+class StepConfig:
+    """What a prefix-cached step's DoFn needs, for any kind of task; validated at pipeline
+    construction, not on the workers.
 
     Args:
         task: the task.
@@ -68,20 +69,14 @@ class ClassifyConfig:
         batch_size: rows per forward pass (on sdpa models rows run packed, so rows of
             different lengths share a pass without padding).
         verify: run the cached-vs-full self-check when the prefix cache is built.
-        top_k: add a `top_k` column: the `top_k` most probable labels, best first, as
-            ``[{"label": str, "score": float}, ...]`` (None or 0: no such column).
-        prob_columns: one ``prob_<label>`` column per label; None (default): on for
-            tasks of at most `PROB_COLUMNS_MAX_LABELS` labels.
-        keep_columns: the input columns copied to each labelled row (None, default: all
+        keep_columns: the input columns copied to each output row (None, default: all
             of them). An input column that an output column would overwrite is refused:
             here when named in `keep_columns`, per row (reason ``column_clash``) otherwise.
-        route: the task's key when rows are routed among several tasks (adds the
-            ``task`` and ``task_version`` columns; see `beam_prefix.routing`).
         max_prefix_cache_mb: the bound of the worker process's prefix pool
             (`beam_prefix.prefix_pool`).
     """
 
-    task: TaskSpec
+    task: Any
     model: str = EMBEDDED
     text_column: str = "text"
     id_column: str | None = None
@@ -89,25 +84,12 @@ class ClassifyConfig:
     threads: int | None = None
     batch_size: int = 16
     verify: bool = True
-    top_k: int | None = None
-    prob_columns: bool | None = None
     keep_columns: tuple[str, ...] | None = None
-    route: str | None = None
     max_prefix_cache_mb: float = DEFAULT_MAX_PREFIX_CACHE_MB
 
     def __post_init__(self):
-        if self.prob_columns is None:
-            object.__setattr__(self, "prob_columns", len(self.task.labels) <= PROB_COLUMNS_MAX_LABELS)
-        columns = [prob_column(n) for n in self.task.label_names]
-        if self.prob_columns and len(set(columns)) != len(columns):
-            raise ValueError(f"labels {self.task.label_names} map to clashing column names {columns}")
         if not self.text_column:
             raise ValueError("text_column must be a column name")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 0):
-            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if not self.top_k:
-            object.__setattr__(self, "top_k", None)
         if self.keep_columns is not None:
             if isinstance(self.keep_columns, str) or not all(isinstance(c, str) for c in self.keep_columns):
                 raise ValueError(f"keep_columns must be a sequence of column names, got {self.keep_columns!r}")
@@ -115,12 +97,64 @@ class ClassifyConfig:
             clash = self.clashing(self.keep_columns)
             if clash:
                 raise ValueError(f"keep_columns {clash} would be overwritten by output columns of the same "
-                                 f"name; leave them out (or rename them before ClassifyText)")
+                                 f"name; leave them out (or rename them before this step)")
 
     def clashing(self, columns) -> list[str]:
         """The names among `columns` that an output column would overwrite."""
         added = set(self.output_columns)
         return [c for c in columns if c in added]
+
+    @property
+    def output_columns(self) -> list[str]:
+        raise NotImplementedError
+
+    def build_engine(self, loaded: LoadedModel):
+        """The task's engine over `loaded` (prefix built and self-checked): built once per
+        worker process and task, then forked per DoFn instance."""
+        raise NotImplementedError
+
+    @property
+    def model_tag(self) -> str:
+        return f"{self.model}|{self.dtype}"
+
+    @property
+    def task_key(self) -> str:
+        return json.dumps([type(self.task).__name__, dataclasses.asdict(self.task), self.batch_size],
+                          sort_keys=True, default=str)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifyConfig(StepConfig):
+    """A classification step's settings (`StepConfig`'s, and these).
+
+    Args:
+        top_k: add a `top_k` column: the `top_k` most probable labels, best first, as
+            ``[{"label": str, "score": float}, ...]`` (None or 0: no such column).
+        prob_columns: one ``prob_<label>`` column per label; None (default): on for
+            tasks of at most `PROB_COLUMNS_MAX_LABELS` labels.
+        route: the task's key when rows are routed among several tasks (adds the
+            ``task`` and ``task_version`` columns; see `beam_prefix.routing`).
+    """
+
+    task: TaskSpec = None  # type: ignore[assignment]  (required: checked below)
+    top_k: int | None = None
+    prob_columns: bool | None = None
+    route: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.task, TaskSpec):
+            raise ValueError(f"ClassifyConfig needs a classification TaskSpec, got {type(self.task).__name__}")
+        if self.prob_columns is None:
+            object.__setattr__(self, "prob_columns", len(self.task.labels) <= PROB_COLUMNS_MAX_LABELS)
+        columns = [prob_column(n) for n in self.task.label_names]
+        if self.prob_columns and len(set(columns)) != len(columns):
+            raise ValueError(f"labels {self.task.label_names} map to clashing column names {columns}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 0):
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not self.top_k:
+            object.__setattr__(self, "top_k", None)
+        super().__post_init__()
 
     @property
     def output_columns(self) -> list[str]:
@@ -131,13 +165,8 @@ class ClassifyConfig:
         version = ["task_version"] if self.route is not None or self.task.version is not None else []
         return ["label", "score", *probs, *top, "truncated", *task, *version, "prompt_fingerprint", "model"]
 
-    @property
-    def model_tag(self) -> str:
-        return f"{self.model}|{self.dtype}"
-
-    @property
-    def task_key(self) -> str:
-        return json.dumps([dataclasses.asdict(self.task), self.batch_size], sort_keys=True, default=str)
+    def build_engine(self, loaded: LoadedModel) -> PrefixClassifier:
+        return PrefixClassifier(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify)
 
 
 class _ModelHolder:
@@ -146,7 +175,7 @@ class _ModelHolder:
     loads = 0  # model loads in this process (tests count them)
     last: "_ModelHolder | None" = None
 
-    def __init__(self, config: ClassifyConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: StepConfig, loaded: LoadedModel | None = None):
         type(self).last = self
         self.prefix_builds = 0
         self.forks = 0
@@ -163,15 +192,14 @@ class _ModelHolder:
         self._startup: list[dict[str, float]] = []
         self._model_load_s = loaded.load_s
 
-    def classifier_for(self, config: ClassifyConfig) -> PrefixClassifier:
-        """A fork of the task's classifier (its prefix built once per process, pooled)."""
+    def classifier_for(self, config: StepConfig):
+        """A fork of the task's engine (its prefix built once per process, pooled)."""
         return self.use(config).classifier.fork()
 
-    def use(self, config: ClassifyConfig) -> PoolUse:
+    def use(self, config: StepConfig) -> PoolUse:
         """The pool's entry for the task of `config`, built (and self-checked) if absent."""
-        def build() -> PrefixClassifier:
-            base = PrefixClassifier(task=config.task, loaded=self.loaded, batch_size=config.batch_size,
-                                    verify=config.verify)
+        def build():
+            base = config.build_engine(self.loaded)
             with self._lock:
                 self.prefix_builds += 1
                 self._startup.append({"model_load_s": self._model_load_s, **base.startup})
@@ -203,23 +231,21 @@ class _ModelHolder:
             return self._progress.setdefault(name, ProgressLog(name))
 
 
-class PrefixCachedClassifyDoFn(beam.DoFn):
-    """Classify a batch (list) of dict rows; main output `labeled`, tagged output `failed`.
+class PrefixStepDoFn(beam.DoFn):
+    """The row discipline every prefix-cached step shares: a batch's rows are validated one
+    by one, run in one engine call (retried row by row if the call fails), and each row is
+    emitted exactly once, to the main output or to `failed` with a reason and a stage.
 
-    Labelled rows are the input columns plus ``label``, ``score``, one ``prob_<label>``
-    column per label (`ClassifyConfig.prob_columns`), ``top_k`` (with
-    `ClassifyConfig.top_k`), ``truncated``, ``prompt_fingerprint`` and ``model``. Failed rows are
-    ``{"row": <input row>, "id": ..., "reason": ..., "error": ..., "stage": ...}``.
-    """
+    Subclasses say how to run the engine (`_call`) and what a result becomes (`_emit`)."""
 
-    def __init__(self, config: ClassifyConfig, *, step_name: str = "ClassifyText"):
+    def __init__(self, config: StepConfig, *, step_name: str):
         self.config = config
         self.step_name = step_name
-        self._clf: PrefixClassifier | None = None
+        self._engine = None
 
     def setup(self):
         self._attach(self.config.task.name)
-        self._clf = self._holder.classifier_for(self.config)
+        self._engine = self._holder.classifier_for(self.config)
 
     def _attach(self, name: str) -> None:
         """The process's shared model holder, this instance's metrics and progress line."""
@@ -229,11 +255,18 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
 
     def process(self, batch: Iterable[Any]):
         """Elements are rows, or `Stamped` rows (whose outputs then carry their timestamp)."""
-        yield from self._classify_rows(self._clf, self.config, batch)
+        yield from self._run_rows(self._engine, self.config, batch)
 
-    def _classify_rows(self, clf: PrefixClassifier, config: ClassifyConfig, batch: Iterable[Any]):
-        """Validate, classify (one call) and emit every row of `batch` once, with `clf`
-        (a fork of the task's classifier) and the task's `config`."""
+    def _call(self, engine, encoded: list) -> list:
+        raise NotImplementedError
+
+    def _emit(self, engine, config: StepConfig, row: dict, result, timestamp) -> Iterable[Any]:
+        """The output of one row's result; returns nothing for a failed row (`_failed`)."""
+        raise NotImplementedError
+
+    def _run_rows(self, engine, config: StepConfig, batch: Iterable[Any]):
+        """Validate, run (one call) and emit every row of `batch` once, with `engine` (a
+        fork of the task's engine) and the task's `config`."""
         for report in self._holder.take_startup():
             self._metrics.report_startup(report)
         good, encoded = [], []  # good: (row, its timestamp or None)
@@ -242,7 +275,7 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
             row = _as_dict(element, config.text_column)
             try:
                 _check_columns(config, row)
-                encoded.append(clf.encode(_text_of(config, row)))
+                encoded.append(engine.encode(_text_of(config, row)))
                 good.append((row, ts))
             except RowError as e:
                 yield self._failed(config, row, e.reason, str(e), "validate", ts)
@@ -252,44 +285,64 @@ class PrefixCachedClassifyDoFn(beam.DoFn):
             return
         start = time.perf_counter()
         try:
-            predictions = clf.classify_encoded(encoded)
+            results = self._call(engine, encoded)
         except Exception as e:  # one bad batch: retry row by row, fail only what still fails
             _LOGGER.warning("%s: batch of %d rows failed (%s); retrying row by row",
                             self.step_name, len(good), e)
             self._metrics.model_retries.inc()
-            predictions = []
+            results = []
             for enc in encoded:
                 try:
-                    predictions.append(clf.classify_encoded([enc])[0])
+                    results.append(self._call(engine, [enc])[0])
                 except Exception as row_error:
-                    predictions.append(row_error)
+                    results.append(row_error)
         elapsed = time.perf_counter() - start
         self._metrics.batch_size.update(len(good))
         self._metrics.batch_latency.update(int(elapsed * 1e6))
-        done = 0
-        for (row, ts), pred in zip(good, predictions):
-            if isinstance(pred, Exception):
-                yield self._failed(config, row, "model_error", f"{type(pred).__name__}: {pred}", "model", ts)
+        for (row, ts), result in zip(good, results):
+            if isinstance(result, Exception):
+                yield self._failed(config, row, "model_error", f"{type(result).__name__}: {result}", "model", ts)
                 continue
-            done += 1
-            self._metrics.suffix_tokens_computed.inc(pred.suffix_tokens)
-            self._metrics.label_tokens_computed.inc(pred.label_tokens)
-            self._metrics.prefix_tokens_reused.inc(clf.prefix_length)
-            if pred.truncated:
+            self._metrics.prefix_tokens_reused.inc(engine.prefix_length)
+            if result.truncated:
                 self._metrics.rows_truncated.inc()
-            yield _stamp(_labeled(clf, config, row, pred), ts)
-        self._metrics.rows_classified.inc(done)
-        self._progress.add(done, elapsed)
+            yield from self._emit(engine, config, row, result, ts)
+        self._progress.add(sum(not isinstance(r, Exception) for r in results), elapsed)
 
     def teardown(self):
-        self._clf = None
+        self._engine = None
         self._holder = None
 
-    def _failed(self, config: ClassifyConfig, row: dict, reason: str, error: str, stage: str, timestamp=None):
+    def _failed(self, config: StepConfig, row: dict, reason: str, error: str, stage: str, timestamp=None):
         self._metrics.rows_failed.inc()
         record = failed_record(row, id_value=row.get(config.id_column) if config.id_column else None,
                                reason=reason, error=error, stage=stage)
         return beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(record, timestamp))
+
+
+class PrefixCachedClassifyDoFn(PrefixStepDoFn):
+    """Classify a batch (list) of dict rows; main output `labeled`, tagged output `failed`.
+
+    Labelled rows are the input columns plus ``label``, ``score``, one ``prob_<label>``
+    column per label (`ClassifyConfig.prob_columns`), ``top_k`` (with
+    `ClassifyConfig.top_k`), ``truncated``, ``prompt_fingerprint`` and ``model``. Failed rows are
+    ``{"row": <input row>, "id": ..., "reason": ..., "error": ..., "stage": ...}``.
+    """
+
+    def __init__(self, config: ClassifyConfig, *, step_name: str = "ClassifyText"):
+        super().__init__(config, step_name=step_name)
+
+    def _classify_rows(self, clf: PrefixClassifier, config: ClassifyConfig, batch: Iterable[Any]):
+        yield from self._run_rows(clf, config, batch)
+
+    def _call(self, clf: PrefixClassifier, encoded: list) -> list:
+        return clf.classify_encoded(encoded)
+
+    def _emit(self, clf: PrefixClassifier, config: ClassifyConfig, row: dict, pred, timestamp):
+        self._metrics.suffix_tokens_computed.inc(pred.suffix_tokens)
+        self._metrics.label_tokens_computed.inc(pred.label_tokens)
+        self._metrics.rows_classified.inc()
+        yield _stamp(_labeled(clf, config, row, pred), timestamp)
 
 
 def failed_record(row, *, id_value=None, reason: str, error: str, stage: str) -> dict:

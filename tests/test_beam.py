@@ -190,7 +190,7 @@ def _dofn(tiny_dir, **task_changes):
 def test_forward_failure_retries_row_by_row_and_restores_the_cache(tiny_dir, monkeypatch):
     fn = _dofn(tiny_dir)
     expected = {r["ticket_id"]: r for r in fn.process(GOOD)}
-    base_cls = type(fn._clf.model.base_model)
+    base_cls = type(fn._engine.model.base_model)
     original = base_cls.forward
     calls = {"n": 0}
 
@@ -204,7 +204,7 @@ def test_forward_failure_retries_row_by_row_and_restores_the_cache(tiny_dir, mon
     monkeypatch.setattr(base_cls, "forward", fail_first_batch)
     out = list(fn.process(GOOD[:5]))
     assert calls["n"] == 1 + 5  # the failed batch, then each row alone
-    assert fn._clf.cache_length() == fn._clf.prefix_length
+    assert fn._engine.cache_length() == fn._engine.prefix_length
     assert not [o for o in out if isinstance(o, beam.pvalue.TaggedOutput)]
     for row in out:
         assert row["label"] == expected[row["ticket_id"]]["label"]
@@ -216,9 +216,9 @@ def test_forward_failure_retries_row_by_row_and_restores_the_cache(tiny_dir, mon
 
 def test_a_row_that_keeps_failing_goes_to_failed_not_lost(tiny_dir, monkeypatch):
     fn = _dofn(tiny_dir)
-    base_cls = type(fn._clf.model.base_model)
+    base_cls = type(fn._engine.model.base_model)
     original = base_cls.forward
-    poison = fn._clf.encode(GOOD[2]["text"]).suffix_ids
+    poison = fn._engine.encode(GOOD[2]["text"]).suffix_ids
 
     def holds_poison(row) -> bool:  # padded rows or one packed sequence: look anywhere
         ids = row.tolist()
@@ -237,15 +237,15 @@ def test_a_row_that_keeps_failing_goes_to_failed_not_lost(tiny_dir, monkeypatch)
     assert [f["id"] for f in failed] == ["T2"] and failed[0]["stage"] == "model"
     assert "always fails" in failed[0]["error"]
     assert len(labeled) == 5
-    assert fn._clf.cache_length() == fn._clf.prefix_length
+    assert fn._engine.cache_length() == fn._engine.prefix_length
 
 
 def test_dofn_instances_in_threads_match_single_thread(tiny_dir):
     single = {r["ticket_id"]: r["score"] for r in _dofn(tiny_dir).process(GOOD)}
     fns = [_dofn(tiny_dir) for _ in range(4)]
-    assert len({id(fn._clf) for fn in fns}) == 4
-    assert len({id(fn._clf.prefix_cache) for fn in fns}) == 1  # one prefix per process, read-only
-    assert all(fn._clf.prefix_attention == "shared" and fn._clf._working is None for fn in fns)
+    assert len({id(fn._engine) for fn in fns}) == 4
+    assert len({id(fn._engine.prefix_cache) for fn in fns}) == 1  # one prefix per process, read-only
+    assert all(fn._engine.prefix_attention == "shared" and fn._engine._working is None for fn in fns)
     results = run_in_threads(lambda i: [r for _ in range(3) for r in fns[i].process(GOOD[i:] + GOOD[:i])], 4)
     for rows in results:
         for row in rows:
@@ -314,7 +314,7 @@ def test_a_row_that_raises_anything_fails_alone(tiny_dir, monkeypatch):
     def broken(text):
         raise KeyError("tokenizer blew up")
 
-    monkeypatch.setattr(dofn._clf, "encode", broken)
+    monkeypatch.setattr(dofn._engine, "encode", broken)
     out = list(dofn.process(GOOD[:2]))
     assert [(o.value["reason"], o.value["error"]) for o in out] == [
         ("invalid_row", "KeyError: 'tokenizer blew up'")] * 2
