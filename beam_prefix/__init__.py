@@ -1,23 +1,31 @@
-"""beam-prefix: fast text classification with a prefix-cached causal LM, for Apache Beam.
+"""beam-prefix: fast text classification and extraction with a prefix-cached causal LM, for Apache Beam.
 
-The static part of the prompt (instructions, labels, few-shot examples) is run through
-the model once; every row then costs only its own suffix tokens.
+The static part of the prompt (instructions, labels or fields, few-shot examples) is run
+through the model once; every row then costs only its own suffix tokens (and, for
+extraction, the tokens it generates).
 
-    from beam_prefix import TaskSpec, PrefixClassifier
+    from beam_prefix import TaskSpec, PrefixClassifier, Extractor
     task = TaskSpec.from_yaml("pipelines/tasks/support_tickets.yaml")
     clf = PrefixClassifier.load(task, model="embedded")
     clf.classify(["I was charged twice"])[0].label
+    Extractor.load("pipelines/tasks/ticket_fields.yaml").extract(["Refund order A-17"])[0].values
+
+The Beam steps are `beam_prefix.transforms.ClassifyText` and
+`beam_prefix.extract_transform.ExtractFields`.
 """
 
 from beam_prefix.classifier import Prediction, PrefixClassifier
 from beam_prefix.errors import (BeamPrefixError, BoundaryError, ModelLoadError, RowError,
                                 TaskSpecError, TextTooLongError, VerificationError)
+from beam_prefix.extract_task import ExtractExample, ExtractionSpec, Field, load_task
+from beam_prefix.extractor import Extraction, Extractor
 from beam_prefix.task import Example, Label, TaskSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TaskSpec", "Label", "Example", "PrefixClassifier", "Prediction",
+    "ExtractionSpec", "Field", "ExtractExample", "Extractor", "Extraction", "load_task",
     "BeamPrefixError", "TaskSpecError", "BoundaryError", "ModelLoadError", "RowError",
     "TextTooLongError", "VerificationError",
 ]

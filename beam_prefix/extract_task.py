@@ -268,8 +268,11 @@ class ExtractionSpec:
             raise TaskSpecError(f"{source}: {e}") from None
 
 
-def load_task(source: str | os.PathLike | Mapping[str, Any]) -> TaskSpec | ExtractionSpec:
-    """A task of either kind from a task file path or a parsed mapping (by its ``kind:``)."""
+def load_task(source) -> TaskSpec | ExtractionSpec:
+    """A task of either kind from a task file path or a parsed mapping (by its ``kind:``);
+    a task object is returned as it is."""
+    if isinstance(source, (TaskSpec, ExtractionSpec)):
+        return source
     if isinstance(source, Mapping):
         data, where, path = source, "task", None
     else:

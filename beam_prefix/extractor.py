@@ -219,7 +219,9 @@ class Extractor:
             try:  # the grammar makes it parse; the checks also know leap years
                 parsed = json.loads(raw)
                 self.task.check_output(parsed)
-                values = {name: parsed[name] for name in self.task.field_names}
+                # a number field holds floats, also where the model wrote `40`
+                values = {f.name: float(parsed[f.name]) if f.type == "number" and parsed[f.name] is not None
+                          else parsed[f.name] for f in self.task.fields}
             except (ValueError, TaskSpecError) as e:
                 problem = str(e)
         return Extraction(values=values, raw_output=raw, finished=decoded.finished,

@@ -25,7 +25,7 @@ from beam_prefix.routing import BatchPerTask, KeyByTask, RoutedClassifyDoFn, Tas
 from beam_prefix.schemas import FAILED_TYPE, ToRow, failed_row, input_fields, labeled_type
 from beam_prefix.task import TaskSpec
 
-__all__ = ["ClassifyText", "ClassifyResult"]
+__all__ = ["ClassifyText", "ClassifyResult", "batched_step", "batching_args", "as_rows"]
 
 
 class ClassifyText(beam.PTransform):
@@ -102,15 +102,7 @@ class ClassifyText(beam.PTransform):
                 raise ValueError(f"the tasks name different models {sorted(models)}; one step runs one model: "
                                  f"pass model=")
             model = models.pop()
-        if max_batch_size is None:
-            # several forward batches per Beam batch: fewer per-batch costs, and on the
-            # expanded-cache path (non-sdpa models, which pad) a length-sorted Beam batch
-            # groups similar lengths into each forward pass
-            max_batch_size = max(64, 4 * batch_size, min_batch_size or 1)
-        if min_batch_size is None:
-            min_batch_size = min(8, max_batch_size)
-        if not 1 <= min_batch_size <= max_batch_size:
-            raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
+        self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs)
         base = dict(model=model, text_column=text_column, id_column=id_column, dtype=dtype, threads=threads,
                     batch_size=batch_size, verify=verify, top_k=top_k, prob_columns=prob_columns,
                     keep_columns=None if keep_columns is None else tuple(keep_columns),
@@ -118,9 +110,6 @@ class ClassifyText(beam.PTransform):
         self._routes = TaskRoutes.build(specs, task_column, dict(base)) if tasks is not None else None
         # one task: its config; routed: the first task's (same columns and settings as every task's)
         self._config = ClassifyConfig(task=task, **base) if self._routes is None else self._routes.configs[0][1]
-        self._min_batch_size = min_batch_size
-        self._max_batch_size = max_batch_size
-        self._max_batch_duration_secs = max_batch_duration_secs
 
     @property
     def config(self) -> ClassifyConfig:
@@ -133,24 +122,13 @@ class ClassifyText(beam.PTransform):
 
     def expand(self, rows):
         fields = input_fields(rows.element_type)
-        if fields and self._config.keep_columns is None:
-            clash = self._config.clashing([name for name, _ in fields])
-            if clash:
-                raise ValueError(f"{self.label}: input fields {clash} would be overwritten by output columns of "
-                                 f"the same name; rename them, or pass keep_columns without them")
-        batching = dict(min_batch_size=self._min_batch_size, max_batch_size=self._max_batch_size)
-        if self._max_batch_duration_secs is not None:
-            batching["max_batch_duration_secs"] = self._max_batch_duration_secs
-        # a Beam batch carries its window's end as timestamp: each row keeps its own
-        stamped = rows | "KeepTimestamps" >> beam.Map(lambda row, ts=beam.DoFn.TimestampParam: Stamped(row, ts))
         if self._routes is None:
-            classified = (
-                stamped
-                | "Batch" >> beam.BatchElements(**batching)
-                | "Classify" >> beam.ParDo(PrefixCachedClassifyDoFn(self._config, step_name=self.label))
-                .with_outputs(FAILED_TAG, main=LABELED_TAG))
-            labeled, failed = classified[LABELED_TAG], classified[FAILED_TAG]
+            labeled, failed = batched_step(rows, PrefixCachedClassifyDoFn(self._config, step_name=self.label),
+                                           main=LABELED_TAG, label=self.label, step="Classify", **self._batching)
         else:  # grouped by task before batching: each forward pass runs over one prefix
+            _refuse_clashing_fields(self._config, fields, self.label)
+            batching = {k: v for k, v in self._batching.items() if v is not None}
+            stamped = rows | "KeepTimestamps" >> beam.Map(_stamped)
             keyed = stamped | "KeyByTask" >> beam.ParDo(KeyByTask(self._routes)).with_output_types(
                 typing.Tuple[typing.Tuple[str, int], typing.Any]).with_outputs(FAILED_TAG, main="keyed")
             if rows.pipeline.options.view_as(StandardOptions).streaming:
@@ -158,7 +136,7 @@ class ClassifyText(beam.PTransform):
                 # would hold rows past the watermark (on DirectRunner they then come out late)
                 batched = keyed.keyed | "BatchPerBundle" >> beam.BatchElements(**batching)
             else:  # each task's rows batched together across the whole input
-                batched = keyed.keyed | "BatchPerTask" >> beam.ParDo(BatchPerTask(self._max_batch_size))
+                batched = keyed.keyed | "BatchPerTask" >> beam.ParDo(BatchPerTask(self._batching["max_batch_size"]))
             classified = (
                 batched
                 | "Classify" >> beam.ParDo(RoutedClassifyDoFn(self._routes, step_name=self.label))
@@ -166,10 +144,59 @@ class ClassifyText(beam.PTransform):
             labeled = classified[LABELED_TAG]
             failed = (keyed[FAILED_TAG], classified[FAILED_TAG]) | "AllFailed" >> beam.Flatten()
         if fields:  # schema'd input: schema'd outputs (beam_prefix.schemas)
-            row_type = labeled_type(self._config, fields)
-            labeled = labeled | "LabeledRows" >> beam.Map(ToRow(row_type)).with_output_types(row_type)
-            failed = failed | "FailedRows" >> beam.Map(failed_row).with_output_types(FAILED_TYPE)
+            labeled, failed = as_rows(labeled, failed, labeled_type(self._config, fields), "LabeledRows")
         return ClassifyResult(labeled=labeled, failed=failed)
+
+
+def batching_args(batch_size: int, min_batch_size: int | None, max_batch_size: int | None,
+                  max_batch_duration_secs: float | None) -> dict:
+    """`beam.BatchElements` settings for a step running `batch_size` rows per forward pass."""
+    if max_batch_size is None:
+        # several forward batches per Beam batch: fewer per-batch costs, and on the
+        # expanded-cache path (non-sdpa models, which pad) a length-sorted Beam batch
+        # groups similar lengths into each forward pass
+        max_batch_size = max(64, 4 * batch_size, min_batch_size or 1)
+    if min_batch_size is None:
+        min_batch_size = min(8, max_batch_size)
+    if not 1 <= min_batch_size <= max_batch_size:
+        raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
+    return dict(min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+                max_batch_duration_secs=max_batch_duration_secs)
+
+
+def batched_step(rows, dofn, *, main: str, label: str, step: str, min_batch_size: int, max_batch_size: int,
+                 max_batch_duration_secs: float | None = None):
+    """Rows -> (main output, failed): each row stamped with its own timestamp, batched with
+    `beam.BatchElements`, run by `dofn` (a `PrefixStepDoFn`)."""
+    _refuse_clashing_fields(dofn.config, input_fields(rows.element_type), label)
+    batching = dict(min_batch_size=min_batch_size, max_batch_size=max_batch_size)
+    if max_batch_duration_secs is not None:
+        batching["max_batch_duration_secs"] = max_batch_duration_secs
+    outputs = (rows
+               | "KeepTimestamps" >> beam.Map(_stamped)
+               | "Batch" >> beam.BatchElements(**batching)
+               | step >> beam.ParDo(dofn).with_outputs(FAILED_TAG, main=main))
+    return outputs[main], outputs[FAILED_TAG]
+
+
+def as_rows(main, failed, row_type, name: str):
+    """A step's dict outputs as schema'd rows: `main` of `row_type`, `failed` of `FAILED_TYPE`."""
+    main = main | name >> beam.Map(ToRow(row_type)).with_output_types(row_type)
+    failed = failed | "FailedRows" >> beam.Map(failed_row).with_output_types(FAILED_TYPE)
+    return main, failed
+
+
+def _stamped(row, ts=beam.DoFn.TimestampParam):
+    # a Beam batch carries its window's end as timestamp: each row keeps its own
+    return Stamped(row, ts)
+
+
+def _refuse_clashing_fields(config, fields, label: str) -> None:
+    if fields and config.keep_columns is None:
+        clash = config.clashing([name for name, _ in fields])
+        if clash:
+            raise ValueError(f"{label}: input fields {clash} would be overwritten by output columns of "
+                             f"the same name; rename them, or pass keep_columns without them")
 
 
 class ClassifyResult(dict):

@@ -1,0 +1,174 @@
+"""`ExtractFields`: structured extraction as a Beam step, beside `ClassifyText`.
+
+    result = rows | ExtractFields(task="pipelines/tasks/ticket_fields.yaml", text_column="text")
+    result.extracted  # input columns + one column per field, raw_output, truncated, prompt_fingerprint, model
+    result.failed     # {"row", "id", "reason", "error", "stage"}
+
+It runs like `ClassifyText` (the same row discipline, `PrefixStepDoFn`; the same model
+per worker process, shared through `Shared`; the task's prefix built once per process and
+self-checked): rows are batched with `beam.BatchElements`, and each batch is decoded by an
+`Extractor`, `batch_size` rows at a time.
+
+Field columns are typed by the task: ``string``/``enum``/``date`` as str (dates ISO
+``YYYY-MM-DD``), ``integer`` as int, ``number`` as float, ``boolean`` as bool; null where
+the model said null (nullable fields only). A row whose output did not close within
+`max_new_tokens` fails with reason ``max_new_tokens`` (its partial output in the error);
+one whose closed output still fails the field checks (a February 29 of a common year)
+fails with ``invalid_output``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.typehints.row_type import RowTypeConstraint
+
+from beam_prefix.dofn import PrefixStepDoFn, StepConfig, _stamp
+from beam_prefix.extract_task import ExtractionSpec, load_task
+from beam_prefix.extractor import Extraction, Extractor
+from beam_prefix.metrics import NAMESPACE
+from beam_prefix.model import EMBEDDED, LoadedModel
+from beam_prefix.schemas import input_fields
+from beam_prefix.transforms import ClassifyResult, as_rows, batched_step, batching_args
+
+__all__ = ["ExtractFields", "ExtractConfig", "ExtractFieldsDoFn", "EXTRACTED_TAG", "extracted_type"]
+
+EXTRACTED_TAG = "extracted"
+_PYTHON_TYPES = {"string": str, "enum": str, "date": str, "integer": int, "number": float, "boolean": bool}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractConfig(StepConfig):
+    """An extraction step's settings (those of `StepConfig`)."""
+
+    task: ExtractionSpec = None  # type: ignore[assignment]  (required: checked below)
+
+    def __post_init__(self):
+        if not isinstance(self.task, ExtractionSpec):
+            raise ValueError(f"ExtractConfig needs an extraction task (kind: extract), got {type(self.task).__name__}")
+        super().__post_init__()
+
+    @property
+    def output_columns(self) -> list[str]:
+        """The columns extraction adds to each row, in order."""
+        version = ["task_version"] if self.task.version is not None else []
+        return [*self.task.field_names, "raw_output", "truncated", *version, "prompt_fingerprint", "model"]
+
+    def build_engine(self, loaded: LoadedModel) -> Extractor:
+        return Extractor(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify)
+
+
+class ExtractFieldsDoFn(PrefixStepDoFn):
+    """Extract fields from a batch (list) of rows; main output `extracted`, tagged `failed`."""
+
+    def __init__(self, config: ExtractConfig, *, step_name: str = "ExtractFields"):
+        super().__init__(config, step_name=step_name)
+
+    def setup(self):
+        super().setup()
+        self._generated = Metrics.counter(NAMESPACE, "generated_tokens")
+        self._extracted = Metrics.counter(NAMESPACE, "rows_extracted")
+
+    def _call(self, extractor: Extractor, encoded: list) -> list[Extraction]:
+        return extractor.extract_encoded(encoded)
+
+    def _emit(self, extractor: Extractor, config: ExtractConfig, row: dict, result: Extraction, timestamp):
+        self._generated.inc(result.generated_tokens)
+        if not result.finished:
+            yield self._failed(config, row, "max_new_tokens",
+                               f"the output did not close within max_new_tokens={config.task.max_new_tokens}: "
+                               f"{result.raw_output[:300]!r}", "model", timestamp)
+            return
+        if result.problem is not None:
+            yield self._failed(config, row, "invalid_output", f"{result.problem}: {result.raw_output[:300]!r}",
+                               "model", timestamp)
+            return
+        keep = config.keep_columns
+        out = dict(row) if keep is None else {c: row.get(c) for c in keep}
+        out.update(result.values)
+        out["raw_output"] = result.raw_output
+        out["truncated"] = result.truncated
+        if config.task.version is not None:
+            out["task_version"] = config.task.version
+        out["prompt_fingerprint"] = extractor.fingerprint
+        out["model"] = extractor.model_id
+        self._extracted.inc()
+        yield _stamp(out, timestamp)
+
+
+def extracted_type(config: ExtractConfig, fields) -> RowTypeConstraint:
+    """The ``extracted`` row type for schema'd input `fields` ((name, type) pairs)."""
+    types = dict(fields)
+    if config.keep_columns is not None:
+        missing = [c for c in config.keep_columns if c not in types]
+        if missing:
+            raise ValueError(f"keep_columns {missing} are not fields of the input (fields: {list(types)})")
+        fields = [(c, types[c]) for c in config.keep_columns]
+    added = [(f.name, Optional[_PYTHON_TYPES[f.type]] if f.nullable else _PYTHON_TYPES[f.type])
+             for f in config.task.fields]
+    added += [("raw_output", str), ("truncated", bool)]
+    if config.task.version is not None:
+        added.append(("task_version", str))
+    added += [("prompt_fingerprint", str), ("model", str)]
+    return RowTypeConstraint.from_fields(list(fields) + added)
+
+
+class ExtractFields(beam.PTransform):
+    """Extract typed fields from text rows with a prefix-cached causal LM.
+
+    Args:
+        task: an `ExtractionSpec` or the path of a task file with ``kind: extract`` (read
+            at construction, so workers do not need the file).
+        model: ``embedded`` (default: the task's model, else embedded), a directory, a
+            ``.gguf`` file, a ``gs://`` directory or a hub id.
+        text_column, id_column, dtype, threads, batch_size, verify, keep_columns: as for
+            `ClassifyText`.
+        min_batch_size, max_batch_size, max_batch_duration_secs: `beam.BatchElements`
+            settings, as for `ClassifyText`.
+        max_text_tokens, overflow, max_new_tokens: override the task's settings.
+
+    Returns:
+        an `ExtractResult` with ``extracted`` and ``failed`` (attributes or keys); each
+        output row keeps its input row's timestamp. Schema'd input gives schema'd
+        outputs (`extracted_type`; ``failed`` as for `ClassifyText`).
+    """
+
+    def __init__(self, *, task: ExtractionSpec | str | os.PathLike, model: str | None = None,
+                 text_column: str = "text", id_column: str | None = None, dtype: str = "float32",
+                 threads: int | None = None, min_batch_size: int | None = None, max_batch_size: int | None = None,
+                 max_batch_duration_secs: float | None = None, batch_size: int = 16,
+                 max_text_tokens: int | None = None, overflow: str | None = None, max_new_tokens: int | None = None,
+                 verify: bool = True, keep_columns=None, label: str | None = None):
+        super().__init__(label)
+        spec = task if isinstance(task, ExtractionSpec) else load_task(task)
+        if not isinstance(spec, ExtractionSpec):
+            raise ValueError(f"ExtractFields needs a task with kind: extract; {task!r} is a classification task "
+                             f"(use ClassifyText)")
+        changes = {k: v for k, v in (("max_text_tokens", max_text_tokens), ("overflow", overflow),
+                                     ("max_new_tokens", max_new_tokens)) if v is not None}
+        if changes:
+            spec = spec.replace(**changes)
+        self._config = ExtractConfig(task=spec, model=model or spec.model or EMBEDDED, text_column=text_column,
+                                     id_column=id_column, dtype=dtype, threads=threads, batch_size=batch_size,
+                                     verify=verify, keep_columns=None if keep_columns is None else tuple(keep_columns))
+        self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs)
+
+    @property
+    def config(self) -> ExtractConfig:
+        return self._config
+
+    def expand(self, rows):
+        fields = input_fields(rows.element_type)
+        extracted, failed = batched_step(rows, ExtractFieldsDoFn(self._config, step_name=self.label),
+                                         main=EXTRACTED_TAG, label=self.label, step="Extract", **self._batching)
+        if fields:  # schema'd input: schema'd outputs
+            extracted, failed = as_rows(extracted, failed, extracted_type(self._config, fields), "ExtractedRows")
+        return ExtractResult(extracted=extracted, failed=failed)
+
+
+class ExtractResult(ClassifyResult):
+    """`ExtractFields`' outputs: ``extracted`` and ``failed``, as attributes or keys."""
