@@ -78,6 +78,7 @@ class ExtractFieldsDoFn(PrefixStepDoFn):
 
     def _emit(self, extractor: Extractor, config: ExtractConfig, row: dict, result: Extraction, timestamp):
         self._generated.inc(result.generated_tokens)
+        self._metrics.suffix_tokens_computed.inc(result.suffix_tokens)
         if not result.finished:
             yield self._failed(config, row, "max_new_tokens",
                                f"the output did not close within max_new_tokens={config.task.max_new_tokens}: "

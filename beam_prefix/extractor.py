@@ -54,6 +54,7 @@ class Extraction:
         tokens: the generated token ids (what `verify` compares).
         problem: why a closed output is still not valid (a date the grammar cannot rule
             out, see `extract_task`); `values` is then None.
+        suffix_tokens: the row's suffix tokens run over the cached prefix (before generating).
     """
 
     values: dict[str, Any] | None
@@ -64,6 +65,7 @@ class Extraction:
     truncated: bool = False
     tokens: tuple[int, ...] = dataclasses.field(default=(), repr=False)
     problem: str | None = None
+    suffix_tokens: int = 0
 
 
 class Extractor:
@@ -226,4 +228,5 @@ class Extractor:
                 problem = str(e)
         return Extraction(values=values, raw_output=raw, finished=decoded.finished,
                           generated_tokens=len(decoded.tokens), text_tokens=enc.text_tokens,
-                          truncated=enc.truncated, tokens=decoded.tokens, problem=problem)
+                          truncated=enc.truncated, tokens=decoded.tokens, problem=problem,
+                          suffix_tokens=len(enc.suffix_ids))

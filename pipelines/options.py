@@ -16,7 +16,7 @@ from beam_prefix.model import EMBEDDED
 from beam_prefix.task import TaskSpec
 from beam_prefix.transforms import ClassifyText
 
-__all__ = ["ClassifyOptions", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
+__all__ = ["ClassifyOptions", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,6 +24,9 @@ TASKS_DIR = os.path.join(_HERE, "tasks")
 SAMPLE_TICKETS = os.path.join(_HERE, "data", "sample_tickets.parquet")
 SAMPLE_GOLD_COLUMN = "label"  # the sample's hand-assigned labels
 DEFAULT_TASK = "support_tickets"
+# per pipeline: what --task and --output default to
+DEFAULT_TASKS = {"classify": DEFAULT_TASK, "extract": "ticket_fields"}
+DEFAULT_OUTPUT = {"classify": os.path.join("output", "labeled"), "extract": os.path.join("output", "extracted")}
 INPUT_FORMATS = ("parquet", "jsonl", "csv")
 OUTPUT_FORMATS = ("parquet", "jsonl")
 BIGQUERY_READ_METHODS = ("DIRECT_READ", "EXPORT")
@@ -52,8 +55,9 @@ class ClassifyOptions(PipelineOptions):
         io.add_argument("--columns_to_keep", default=None,
                         help="Comma-separated input columns copied to the output (default: the id and text "
                              "columns); '*' keeps every input column.")
-        io.add_argument("--output", default=os.path.join("output", "labeled"),
-                        help="Output path prefix (local or gs://) for labelled rows (default: output/labeled).")
+        io.add_argument("--output", default=None,
+                        help="Output path prefix (local or gs://) for labelled (or extracted) rows (default: "
+                             "output/labeled; output/extracted for pipelines.extract).")
         io.add_argument("--output_format", default="parquet", choices=OUTPUT_FORMATS,
                         help="File format of --output and --failed_output.")
         io.add_argument("--output_table", default=None,
@@ -73,8 +77,10 @@ class ClassifyOptions(PipelineOptions):
                              "its 'label' column).")
 
         model = parser.add_argument_group("model and task")
-        model.add_argument("--task", default=DEFAULT_TASK,
-                           help="Task YAML file, or the name of a shipped task (support_tickets, banking77).")
+        model.add_argument("--task", default=None,
+                           help="Task YAML file, or the name of a shipped task (support_tickets, banking77; "
+                                "ticket_fields for pipelines.extract). Default: support_tickets, or "
+                                "ticket_fields for pipelines.extract.")
         model.add_argument("--task_dir", default=None,
                            help="A directory of task YAML files, keyed by file stem: each row is classified with "
                                 "the task its --task_column names (instead of --task).")
@@ -168,7 +174,7 @@ def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyT
     `keep_columns`: the input columns its labelled rows carry (default: all)."""
     o = options.view_as(ClassifyOptions)
     tasks = dict(tasks=o.task_dir, task_column=o.task_column, max_prefix_cache_mb=o.max_prefix_cache_mb) \
-        if o.task_dir else dict(task=TaskSpec.from_yaml(task_path(o.task)))
+        if o.task_dir else dict(task=TaskSpec.from_yaml(task_path(o.task or DEFAULT_TASK)))
     calibration = None if o.calibration is None else o.calibration == "true"
     return ClassifyText(**tasks, model=o.model, text_column=o.text_column, id_column=o.id_column,
                         dtype=o.dtype, threads=o.torch_threads, min_batch_size=o.min_batch_size,

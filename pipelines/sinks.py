@@ -36,12 +36,14 @@ FAILED_SCHEMA = pa.schema([
 ])
 
 
-def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.Field]:
-    """The input columns copied to the labelled output, with their types.
+def kept_columns(options: PipelineOptions, schema: pa.Schema | None, reserved=None) -> list[pa.Field]:
+    """The input columns copied to the labelled (or extracted) output, with their types.
 
     Args:
         options: the pipeline options (``--columns_to_keep``, ``--id_column``, ``--text_column``).
         schema: the input's schema where known at launch, else None (columns become strings).
+        reserved: the output columns a kept column may not be named like (default:
+            classification's, ``prob_*`` included).
     """
     o = options.view_as(ClassifyOptions)
     if o.columns_to_keep and o.columns_to_keep.strip() == "*":
@@ -58,8 +60,11 @@ def kept_columns(options: PipelineOptions, schema: pa.Schema | None) -> list[pa.
         if missing:
             raise ValueError(f"--columns_to_keep/--id_column/--text_column name columns the input lacks: "
                              f"{missing} (input columns: {schema.names})")
-    reserved = {"label", "score", "truncated", "prompt_fingerprint", "model", TOP_K_COLUMN}
-    clash = [n for n in names if n in reserved or n.startswith("prob_")]
+    if reserved is None:
+        reserved = {"label", "score", "truncated", "prompt_fingerprint", "model", TOP_K_COLUMN}
+        clash = [n for n in names if n in reserved or n.startswith("prob_")]
+    else:
+        clash = [n for n in names if n in set(reserved)]
     if clash:
         raise ValueError(f"kept columns {clash} clash with output columns; leave them out of --columns_to_keep")
     return [schema.field(n) if schema is not None else pa.field(n, pa.string()) for n in dict.fromkeys(names)]
@@ -177,16 +182,18 @@ class Destination:
         return f"{self.path}-*.{self.fmt}"
 
 
-def destinations(options: PipelineOptions) -> tuple[Destination, Destination]:
-    """(labelled, failed) destinations from the flags."""
+def destinations(options: PipelineOptions, *, default_output: str) -> tuple[Destination, Destination]:
+    """(main output, failed) destinations from the flags (`default_output`: the prefix when
+    --output is not given)."""
     o = options.view_as(ClassifyOptions)
+    output = o.output or default_output
     if o.output_table:
         failed_table = o.failed_output_table or f"{o.output_table}_failed"
         if o.failed_output:
             return Destination(table=o.output_table), Destination(path=o.failed_output, fmt=o.output_format)
         return Destination(table=o.output_table), Destination(table=failed_table)
-    failed = o.failed_output or _beside(o.output, "failed")
-    return Destination(path=o.output, fmt=o.output_format), Destination(path=failed, fmt=o.output_format)
+    failed = o.failed_output or _beside(output, "failed")
+    return Destination(path=output, fmt=o.output_format), Destination(path=failed, fmt=o.output_format)
 
 
 def _beside(path: str, name: str) -> str:

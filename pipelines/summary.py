@@ -20,7 +20,7 @@ from apache_beam.metrics.metric import MetricsFilter
 
 from beam_prefix.metrics import NAMESPACE as LIBRARY_NAMESPACE
 
-__all__ = ["NAMESPACE", "GOLD_KEY", "stash_gold", "count_rows", "LabelCounter", "CountFailures", "summarize", "format_summary",
+__all__ = ["NAMESPACE", "GOLD_KEY", "stash_gold", "count_rows", "LabelCounter", "RowCounter", "CountFailures", "summarize", "format_summary",
            "write_confusion_png", "write_json"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -68,6 +68,17 @@ class LabelCounter:
                 Metrics.counter(NAMESPACE, "correct").inc()
 
 
+class RowCounter:
+    """Counts the rows a step emits as final output (counter `name`), like `LabelCounter`
+    for steps without labels."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, row: dict) -> None:
+        Metrics.counter(NAMESPACE, self._name).inc()
+
+
 class CountFailures(beam.DoFn):
     """Counts failed rows per reason."""
 
@@ -107,7 +118,7 @@ def _distributions(result, namespace: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def _timing(lib: dict[str, dict[str, int]], labeled: int) -> dict:
+def _timing(lib: dict[str, dict[str, int]], labeled: int, step: str = "classification") -> dict:
     """Start-up (slowest worker), classification alone (model time over the rows) and the
     self-check's cached-vs-full ms per row, from the library's distributions."""
     def slowest_s(name):
@@ -118,7 +129,7 @@ def _timing(lib: dict[str, dict[str, int]], labeled: int) -> dict:
                        "self_check_s": slowest_s("startup_self_check_ms"),
                        "prefix_builds": lib.get("startup_prefix_build_ms", {}).get("count", 0)}}
     model_s = lib.get("batch_latency_micros", {}).get("sum", 0) / 1e6
-    out["classification"] = {"rows": labeled, "model_s": round(model_s, 3),
+    out[step] = {"rows": labeled, "model_s": round(model_s, 3),
                              "rows_per_s": round(labeled / model_s, 2) if model_s else None,
                              "ms_per_row": round(1e3 * model_s / labeled, 2) if labeled else None}
     cached, full = lib.get("self_check_cached_us_per_row"), lib.get("self_check_full_us_per_row")
@@ -147,14 +158,16 @@ def _tasks(lib: dict[str, int]) -> dict:
 
 
 def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str, str],
-              model: str, task: str, eval_label_column: str | None) -> dict:
-    """The summary dict of a finished run (counts, label counts, rates, outputs)."""
+              model: str, task: str, eval_label_column: str | None, kind: str = "classify") -> dict:
+    """The summary dict of a finished run (counts, label counts, rates, outputs); `kind`
+    ``"extract"`` counts extracted rows (``extracted``) and generated tokens instead of labels."""
     mine = _counters(result, NAMESPACE)
     lib = _counters(result, LIBRARY_NAMESPACE)
-    read, labeled, failed = mine.get("rows_read", 0), mine.get("labeled", 0), mine.get("failed", 0)
+    done_key = "extracted" if kind == "extract" else "labeled"
+    read, labeled, failed = mine.get("rows_read", 0), mine.get(done_key, 0), mine.get("failed", 0)
     summary = {
-        "task": task, "model": model,
-        "rows_read": read, "labeled": labeled, "failed": failed,
+        "kind": kind, "task": task, "model": model,
+        "rows_read": read, done_key: labeled, "failed": failed,
         "accounted_for": read == labeled + failed,
         "label_counts": {n: mine.get(f"label:{n}", 0) for n in labels},
         "failed_reasons": {k.split(":", 1)[1]: v for k, v in sorted(mine.items()) if k.startswith("reason:")},
@@ -164,7 +177,9 @@ def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str
         "suffix_tokens_computed": lib.get("suffix_tokens_computed", 0),
         "label_tokens_computed": lib.get("label_tokens_computed", 0),
         "rows_truncated": lib.get("rows_truncated", 0),
-        **_timing(_distributions(result, LIBRARY_NAMESPACE), labeled),
+        **({"generated_tokens": lib.get("generated_tokens", 0)} if kind == "extract" else {}),
+        **_timing(_distributions(result, LIBRARY_NAMESPACE), labeled,
+                  "extraction" if kind == "extract" else "classification"),
         **_tasks(lib),
         "outputs": dict(outputs),
     }
@@ -177,23 +192,27 @@ def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str
             "confusion": [[g, p, n] for (g, p), n in sorted(pairs.items())],
         }
     if not summary["accounted_for"]:
-        _LOGGER.error("rows read (%d) != labelled (%d) + failed (%d)", read, labeled, failed)
+        _LOGGER.error("rows read (%d) != %s (%d) + failed (%d)", read, done_key, labeled, failed)
     return summary
 
 
 def format_summary(s: dict) -> str:
     """The summary as the lines printed at the end of a run."""
     width = max([len(n) for n in s["label_counts"]] + [5])
+    extract = s.get("kind") == "extract"
+    done = f"extracted {s['extracted']}" if extract else f"labelled {s['labeled']}"
     lines = [
-        f"rows read {s['rows_read']}: labelled {s['labeled']} + failed {s['failed']}"
+        f"rows read {s['rows_read']}: {done} + failed {s['failed']}"
         + ("" if s["accounted_for"] else "  (MISMATCH: some rows are unaccounted for)"),
         *_timing_lines(s),
         f"prefix tokens reused {s['prefix_tokens_reused']:,}; suffix tokens computed "
         f"{s['suffix_tokens_computed']:,}"
-        + (f" (of which label tokens {s['label_tokens_computed']:,})" if s.get("label_tokens_computed") else ""),
-        "labels:",
+        + (f" (of which label tokens {s['label_tokens_computed']:,})" if s.get("label_tokens_computed") else "")
+        + (f"; tokens generated {s['generated_tokens']:,}" if extract else ""),
     ]
-    lines += [f"  {n:<{width}} {c}" for n, c in sorted(s["label_counts"].items(), key=lambda kv: -kv[1]) if c]
+    if not extract:
+        lines.append("labels:")
+        lines += [f"  {n:<{width}} {c}" for n, c in sorted(s["label_counts"].items(), key=lambda kv: -kv[1]) if c]
     pool = s.get("prefix_pool")
     if pool:
         rate = "n/a" if pool["hit_rate"] is None else f"{pool['hit_rate']:.1%}"
@@ -226,9 +245,10 @@ def _timing_lines(s: dict) -> list[str]:
         slowest = " (slowest worker)" if up.get("prefix_builds", 0) > 1 else ""
         lines.append(f"start-up {sum(v for _, v in parts):.1f} s{slowest}: "
                      + ", ".join(f"{name} {v:.1f} s" for name, v in parts))
-    c = s.get("classification") or {}
+    step = "extraction" if s.get("kind") == "extract" else "classification"
+    c = s.get(step) or {}
     if c.get("rows_per_s"):
-        lines.append(f"classification: {c['rows']} rows in {c['model_s']:.1f} s of model time, "
+        lines.append(f"{step}: {c['rows']} rows in {c['model_s']:.1f} s of model time, "
                      f"{c['rows_per_s']} rows/s, {c['ms_per_row']} ms/row")
     check = s.get("self_check")
     if check and check.get("speedup"):

@@ -1,0 +1,163 @@
+"""Extract typed fields from text rows in Parquet, JSONL, CSV or BigQuery; write extracted and failed rows.
+
+    python -m pipelines.extract --runner=DirectRunner        # the sample tickets, shipped ticket_fields task
+    python -m pipelines.extract --input 'data/*.parquet' --task my_fields.yaml --text_column body --id_column id
+    python -m pipelines.extract --input_table proj:ds.tickets --output_table proj:ds.fields \\
+        --runner=DataflowRunner --project proj --region europe-west1 --temp_location gs://b/tmp \\
+        --setup_file ./setup.py
+
+The input and output flags are those of `pipelines.classify` (one options and IO layer);
+the task is an extraction task (``kind: extract``), and ``--max_new_tokens`` overrides its
+output budget. Flags that only classification has (labels, calibration, routing) are
+refused. Extracted rows are the kept input columns, one typed column per field (dates as
+DATE), ``raw_output``, ``truncated``, ``prompt_fingerprint`` and ``model``; every input row
+ends in exactly one of the extracted or failed outputs, and the summary counts them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+
+import apache_beam as beam
+import pyarrow as pa
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from beam_prefix.dofn import FAILED_TAG
+from beam_prefix.extract_task import ExtractionSpec, load_task
+from beam_prefix.extract_transform import ExtractConfig, ExtractFields
+from pipelines import launch
+from pipelines.launch import Plan, RunFailed, explain
+from pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, task_path
+from pipelines.publish import Staging
+from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, failed_output_row, kept_columns, write
+from pipelines.sources import describe_input, input_schema, read_rows
+from pipelines.summary import CountFailures, RowCounter, count_rows
+
+__all__ = ["ExtractOptions", "build", "run", "main", "extracted_schema", "Plan", "explain", "RunFailed"]
+
+_LOGGER = logging.getLogger("pipelines.extract")  # also when run as __main__
+
+# ClassifyOptions flags that mean nothing to extraction: refused when given
+CLASSIFY_ONLY = ("task_dir", "task_column", "max_prefix_cache_mb", "calibration", "label_search", "top_k",
+                 "prob_columns", "eval_label_column")
+_ARROW_TYPES = {"string": pa.string(), "enum": pa.string(), "date": pa.date32(), "integer": pa.int64(),
+                "number": pa.float64(), "boolean": pa.bool_()}
+
+
+class ExtractOptions(PipelineOptions):
+    """Flags of the extract pipeline beyond the shared ones (`ClassifyOptions`)."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        group = parser.add_argument_group("extraction")
+        group.add_argument("--max_new_tokens", type=int, default=None,
+                           help="pipelines.extract: the most tokens generated per row (default: the task's); a "
+                                "row whose output has not closed by then fails with reason max_new_tokens.")
+
+
+def _validate(options: PipelineOptions) -> None:
+    o = options.view_as(ClassifyOptions)
+    given = [f"--{flag}" for flag in CLASSIFY_ONLY if getattr(o, flag) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: classification flags; pipelines.extract does not take them")
+    budget = options.view_as(ExtractOptions).max_new_tokens
+    if budget is not None and budget < 1:
+        raise ValueError(f"--max_new_tokens must be >= 1, got {budget}")
+
+
+def extraction_task(options: PipelineOptions) -> ExtractionSpec:
+    """The task `--task` names (default: the shipped ticket_fields), which must be an extraction task."""
+    o = options.view_as(ClassifyOptions)
+    task = load_task(task_path(o.task or DEFAULT_TASKS["extract"]))
+    if not isinstance(task, ExtractionSpec):
+        raise ValueError(f"--task={o.task!r} is a classification task; pipelines.extract needs a task with "
+                         f"kind: extract (run pipelines.classify for this one)")
+    return task
+
+
+def extract_transform(options: PipelineOptions, task: ExtractionSpec, keep_columns=None) -> ExtractFields:
+    """The `ExtractFields` the flags describe, for `task` (read in the launcher)."""
+    o = options.view_as(ClassifyOptions)
+    return ExtractFields(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column, dtype=o.dtype,
+                         threads=o.torch_threads, min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size,
+                         batch_size=o.batch_size, max_text_tokens=o.max_text_tokens, overflow=o.overflow,
+                         max_new_tokens=options.view_as(ExtractOptions).max_new_tokens, verify=o.verify == "true",
+                         keep_columns=keep_columns)
+
+
+def extracted_schema(config, kept: list[pa.Field]) -> pa.Schema:
+    """Arrow schema of the extracted output: the kept columns, one typed column per field
+    (required fields non-nullable), then the run's columns."""
+    fields = [pa.field(f.name, _ARROW_TYPES[f.type], nullable=f.nullable) for f in config.task.fields]
+    added = {"raw_output": pa.string(), "truncated": pa.bool_(), "task_version": pa.string(),
+             "prompt_fingerprint": pa.string(), "model": pa.string()}
+    return pa.schema(list(kept) + fields + [pa.field(n, added[n]) for n in config.output_columns[len(fields):]])
+
+
+class _Dates:
+    """ISO date strings of the task's date fields -> `datetime.date` (Parquet DATE, BigQuery DATE)."""
+
+    def __init__(self, names: list[str]):
+        self._names = names
+
+    def __call__(self, row: dict) -> dict:
+        for name in self._names:
+            if row.get(name) is not None:
+                row = {**row, name: datetime.date.fromisoformat(row[name])}
+        return row
+
+
+def _build(p, options, extracted_to: Destination, failed_to: Destination, staging: Staging,
+           summary_path: str | None) -> Plan:
+    o = options.view_as(ClassifyOptions)
+    schema = input_schema(options)
+    task = extraction_task(options)
+    kept = kept_columns(options, schema, reserved=ExtractConfig(task=task).output_columns)
+    extract = extract_transform(options, task, keep_columns=[f.name for f in kept])
+    config = extract.config
+    out_schema = extracted_schema(config, kept)
+
+    rows, unparseable = read_rows(p, options)
+    rows = count_rows(rows, "rows_read", label="CountRowsRead")
+    unparseable = count_rows(unparseable, "rows_read", label="CountUnparseableRows")
+    result = rows | "ExtractFields" >> extract
+    dated = result.extracted | "FieldDates" >> beam.Map(
+        _Dates([f.name for f in config.task.fields if f.type == "date"]))
+    shaped = dated | "ToOutputRow" >> beam.ParDo(ToOutputRow(
+        out_schema, kept, typed=schema is not None, id_column=o.id_column,
+        on_labeled=RowCounter("extracted"))).with_outputs(FAILED_TAG, main="rows")
+    failed = ((unparseable, result.failed, shaped[FAILED_TAG]) | "AllFailed" >> beam.Flatten()
+              | "CountFailed" >> beam.ParDo(CountFailures())
+              | "ToFailedRow" >> beam.Map(failed_output_row))
+    write(shaped.rows, extracted_to.staged(staging), out_schema, options, label="Extracted")
+    write(failed, failed_to.staged(staging), FAILED_SCHEMA, options, label="Failed")
+
+    _LOGGER.info("input: %s; task %s (%d fields); model %s; extracted rows -> %s; failed rows -> %s",
+                 describe_input(options), config.task.name, len(config.task.fields), config.model,
+                 extracted_to.describe(), failed_to.describe())
+    return Plan(task=config.task.name, model=config.model, labels=(),
+                outputs={"extracted": extracted_to.describe(), "failed": failed_to.describe()},
+                summary_path=summary_path, eval_label_column=None, staging=staging, kind="extract")
+
+
+def build(p: beam.Pipeline, options: PipelineOptions) -> Plan:
+    """Add read -> extract -> write (extracted and failed) and the counting steps to `p`."""
+    return launch.build(p, options, _build, default_output=DEFAULT_OUTPUT["extract"], validate_more=_validate)
+
+
+def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = None, *, on_plan=None) -> dict:
+    """Build and run the pipeline; return the summary (also printed and written as JSON)."""
+    return launch.run(argv, test_pipeline, compose=_build, default_output=DEFAULT_OUTPUT["extract"],
+                      validate_more=_validate, on_plan=on_plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run from the command line (exit statuses: `pipelines.launch.main`)."""
+    return launch.main(argv, run, prog="python -m pipelines.extract", doc=__doc__,
+                       options=(ClassifyOptions, ExtractOptions))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

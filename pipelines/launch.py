@@ -1,0 +1,211 @@
+"""What every pipeline of this package shares around its own steps: flags checked and
+outputs staged before anything loads, the run, the summary, publication, exit statuses.
+
+A pipeline (`pipelines.classify`, `pipelines.extract`) supplies a `compose` function that
+adds its read -> step -> write graph and returns a `Plan`; `run` and `main` do the rest
+the same way for all of them (`pipelines.publish` stages outputs so a failed run leaves
+none; `explain` turns a runner error into one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+from typing import Callable
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
+
+from pipelines import bigquery_endpoint
+from pipelines.options import ClassifyOptions, validate
+from pipelines.publish import Staging
+from pipelines.sinks import Destination, destinations
+from pipelines.summary import format_summary, summarize, write_confusion_png, write_json
+
+__all__ = ["Plan", "build", "run", "main", "explain", "RunFailed"]
+
+_LOGGER = logging.getLogger("pipelines")
+
+# compose(p, options, main_to, failed_to, staging, summary_path) -> Plan
+Compose = Callable[..., "Plan"]
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a pipeline's `compose` added to the graph, for the summary.
+
+    Attributes:
+        kind: ``"classify"`` or ``"extract"`` (what the summary counts).
+        labels: the label names (classification), else empty.
+    """
+
+    task: str
+    model: str
+    labels: tuple[str, ...]
+    outputs: dict[str, str]
+    summary_path: str | None
+    eval_label_column: str | None
+    staging: Staging
+    kind: str = "classify"
+
+
+def _stage(options: PipelineOptions, labeled_to: Destination, failed_to: Destination) -> tuple[Staging, str | None]:
+    """The run's staging (file outputs written there, published at the end) and the summary's final path."""
+    o = options.view_as(ClassifyOptions)
+    summary_path = o.summary_output or (None if labeled_to.table else f"{labeled_to.path}-summary.json")
+    files = {}
+    if labeled_to.path:
+        files["--output"] = labeled_to.path
+    if failed_to.path:
+        files["--failed_output" if o.failed_output else "--output (failed rows beside it)"] = failed_to.path
+    if summary_path:
+        files["--summary_output" if o.summary_output else "--output (summary beside it)"] = summary_path
+    return Staging(files), summary_path
+
+
+def _prepare(options: PipelineOptions) -> None:
+    """Checks and process-wide settings that must precede building the graph."""
+    validate(options)
+    o = options.view_as(ClassifyOptions)
+    if o.bigquery_endpoint:
+        bigquery_endpoint.install(bigquery_endpoint.Endpoint(
+            rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
+            project=options.view_as(GoogleCloudOptions).project))
+
+
+def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, default_output: str,
+          validate_more=None) -> Plan:
+    """Check the flags, stage the outputs, and let `compose` add the pipeline's graph to `p`."""
+    _prepare(options)
+    if validate_more is not None:
+        validate_more(options)
+    labeled_to, failed_to = destinations(options, default_output=default_output)
+    staging, summary_path = _stage(options, labeled_to, failed_to)
+    staging.preflight()  # before anything loads: an unwritable output fails in one line
+    try:
+        return compose(p, options, labeled_to, failed_to, staging, summary_path)
+    except BaseException:
+        staging.discard()
+        raise
+
+
+def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose: Compose, default_output: str,
+        validate_more=None, on_plan=None) -> dict:
+    """Build and run the pipeline; return the summary (also printed and written as JSON).
+
+    File outputs are staged and published only when the run and its summary succeed
+    (`pipelines.publish`): a run that raises leaves no output files.
+
+    Args:
+        argv: command-line flags (Beam's and `ClassifyOptions`).
+        test_pipeline: a pipeline to build into (tests); its runner and options are used.
+        compose: the pipeline's graph (see the module docstring).
+        default_output: the output prefix when --output is not given.
+        validate_more: the pipeline's own flag checks, run with the shared ones.
+        on_plan: called with the `Plan` once the graph is built (before it runs).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if PipelineOptions(argv).view_as(ClassifyOptions).bigquery_endpoint:
+        # worker processes import the seam as a plugin and redirect their clients too
+        # (a flag, not an attribute set later: workers receive the parsed flags)
+        argv.append(f"--beam_plugins={bigquery_endpoint.__name__}")
+    options = PipelineOptions(argv)
+    p = test_pipeline or beam.Pipeline(options=options)
+    plan = build(p, options, compose, default_output=default_output, validate_more=validate_more)
+    if on_plan is not None:
+        on_plan(plan)
+    _LOGGER.info("running on %s (each worker loads the model, builds the prefix cache once and "
+                 "self-checks it against full re-encoding)", type(p.runner).__name__)
+    try:
+        start = time.perf_counter()
+        result = p.run()
+        state = result.wait_until_finish()
+        wall_s = time.perf_counter() - start
+        if state is not None and str(state).upper().endswith(("FAILED", "CANCELLED", "DRAINED")):
+            raise RunFailed(f"the runner ended the job in state {state}")
+        summary = summarize(result, wall_s=wall_s, labels=plan.labels, outputs=plan.outputs, model=plan.model,
+                            task=plan.task, eval_label_column=plan.eval_label_column, kind=plan.kind)
+        if plan.summary_path:
+            if summary.get("evaluation") and summary["evaluation"]["rows"]:
+                png = plan.summary_path.removesuffix("-summary.json").removesuffix(".json") + "-confusion.png"
+                write_confusion_png(summary, plan.labels, plan.staging.path(png))
+                summary["outputs"]["confusion_matrix"] = png
+            summary["outputs"]["summary"] = plan.summary_path
+            write_json(summary, plan.staging.path(plan.summary_path))
+        plan.staging.publish()
+    except BaseException:
+        plan.staging.discard()  # a failed run publishes nothing and leaves no temporary files
+        raise
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def _print_help(prog: str, doc: str, options) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Beam's own flags (--runner, --project, --region, --temp_location, --setup_file, "
+               "--direct_running_mode, --job_endpoint, --environment_type, ...) are accepted too.")
+    for cls in options:
+        cls._add_argparse_args(parser)
+    parser.print_help()
+
+
+class RunFailed(RuntimeError):
+    """The runner reported the job as not done."""
+
+
+# runner errors that have a known cause, and the one line that says it
+_KNOWN_CAUSES = (
+    ("Channel closed prematurely", "a worker process died (killed, or out of memory)"),
+    ("MemoryError", "a worker ran out of memory"),
+    ("ContextLengthError", "the task's prompt does not fit the model's context"),
+    ("VerificationError", "the start-up self-check found cached scoring different from full re-encoding"),
+    ("ModelLoadError", "the model could not be loaded"),
+    ("PermissionError", "an output location is not writable"),
+    ("No space left on device", "a disk is full"),
+)
+
+
+def explain(error: BaseException, outputs: dict[str, str] | None = None) -> str:
+    """One line for a run that failed: the cause where it is known, the error's first line,
+    and that nothing was published."""
+    text = f"{type(error).__name__}: {error}"
+    cause = next((why for pattern, why in _KNOWN_CAUSES if pattern in text), "the run failed")
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    where = f"; nothing was written to {', '.join(outputs.values())}" if outputs else ""
+    return f"error: {cause} ({type(error).__name__}: {first[:300]}){where}"
+
+
+def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(ClassifyOptions,)) -> int:
+    """Run `run_fn(argv, on_plan=...)` from the command line. Exit status: 0 done, 1 the run
+    failed or lost rows, 2 bad flags, input, task file or output location (found before the
+    model loads)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # Beam's option parser would show none of ours
+        _print_help(prog, doc, options)
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("beam_prefix", "pipelines"):  # progress lines, not Beam's own chatter
+        logging.getLogger(name).setLevel(logging.INFO)
+    plan: list[Plan] = []
+    try:
+        summary = run_fn(argv, on_plan=plan.append)
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was published", file=sys.stderr, flush=True)
+        return 130
+    except (ValueError, OSError) as e:
+        if plan:  # found while running: a runner error, not a launch-time check
+            _LOGGER.error("the runner's error:\n%s", e)
+            print(explain(e, plan[0].outputs), file=sys.stderr, flush=True)
+            return 1
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:  # noqa: BLE001 - any runner error ends in one line, the detail in the log
+        _LOGGER.error("the runner's error:\n%s", e)
+        print(explain(e, plan[0].outputs if plan else None), file=sys.stderr, flush=True)
+        return 1
+    return 0 if summary["accounted_for"] else 1
