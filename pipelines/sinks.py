@@ -140,8 +140,8 @@ _ARROW_TO_BQ = [
 
 def bigquery_schema(schema: pa.Schema) -> dict:
     """The BigQuery table schema for an Arrow schema (unknown types become STRING; a list
-    is a REPEATED field, a struct a RECORD)."""
-    return {"fields": [_bigquery_field(f.name, f.type) for f in schema]}
+    is a REPEATED field, a struct a RECORD; a non-nullable column is REQUIRED)."""
+    return {"fields": [_bigquery_field(f.name, f.type, "NULLABLE" if f.nullable else "REQUIRED") for f in schema]}
 
 
 def _bigquery_field(name: str, type_: pa.DataType, mode: str = "NULLABLE") -> dict:

@@ -186,3 +186,31 @@ def test_schemad_library_output_to_bigquery(emulator, tiny_dir, reference, tmp_p
     for row in written:
         assert row["label"] == reference[row["text"]].label
         assert [e["label"] for e in row["top_k"]] == [n for n, _ in reference[row["text"]].top(2)]
+
+
+def test_extracted_fields_are_typed_columns(emulator, tiny_dir, tmp_path):
+    """pipelines.extract to BigQuery: one typed column per task field (DATE, INTEGER, BOOLEAN...)."""
+    import json
+
+    from pipelines import extract
+
+    from test_extraction import EXAMPLES, FIELDS
+
+    task = tmp_path / "fields.yaml"
+    task.write_text(json.dumps({"kind": "extract", "fields": FIELDS, "examples": EXAMPLES, "max_new_tokens": 53}))
+    client = emulator.client()
+    dataset, table = _source_table(client)
+    out = f"{PROJECT}:out_{dataset}.fields"
+    client.create_dataset(f"out_{dataset}")
+    summary = extract.run([
+        "--runner=DirectRunner", f"--input_table={table}", f"--output_table={out}", f"--model={tiny_dir}",
+        f"--task={task}", "--id_column=ticket_id", "--verify=false", f"--project={PROJECT}",
+        f"--temp_location={tmp_path}", "--bigquery_write_method=FILE_LOADS",
+        f"--bigquery_endpoint={emulator.rest}", f"--bigquery_storage_endpoint={emulator.grpc}"])
+    rows = [dict(r) for r in client.list_rows(out.replace(":", "."))]
+    failed = [dict(r) for r in client.list_rows(out.replace(":", ".") + "_failed")]
+    assert summary["extracted"] == len(rows) > 0 and len(rows) + len(failed) == len(ROWS)
+    schema = {f.name: (f.field_type, f.mode) for f in client.get_table(out.replace(":", ".")).schema}
+    assert schema["since"][0] == "DATE" and schema["seats"][0] == "INTEGER" and schema["urgent"][0] == "BOOLEAN"
+    assert schema["product_area"] == ("STRING", "REQUIRED") and schema["order_id"] == ("STRING", "NULLABLE")
+    assert {r["product_area"] for r in rows} <= {"billing", "app", "account", "other"}
