@@ -21,7 +21,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["beam_prefix", "beam_prefix.*", "pipelines", "pipelines.*"]),
-    package_data={"pipelines": ["tasks/*.yaml", "yaml/*.yaml", "data/*.csv", "data/*.parquet", "data/banking77/*"]},
+    package_data={"pipelines": ["tasks/*.yaml", "yaml/*.yaml", "data/*.csv", "data/*.parquet", "data/*.jsonl",
+                                "data/banking77/*"]},
     include_package_data=True,
     install_requires=[
         f"apache-beam[gcp]=={BEAM_VERSION}",

@@ -76,20 +76,28 @@ class RowMatchers:
         self._executor = llg.LLExecutor()
         self._bitmask = llg.numpy.allocate_token_bitmask(len(matchers), constraint.vocab_size)
 
-    def choose(self, logits: torch.Tensor, rows: Sequence[int]) -> list[int]:
-        """Greedy choice among the allowed tokens. logits: ``[R, V]`` for `rows` (row
-        indices of this call, in the same order) -> one token id per row."""
+    def mask(self, logits: torch.Tensor, rows: Sequence[int]) -> np.ndarray:
+        """The logits ``[R, V]`` of `rows` (row indices of this call, in the same order) with
+        every token the schema does not allow next at -inf (a float32 numpy copy)."""
         llg = _llguidance()
         llg.numpy.fill_next_token_bitmask_par(self._executor, [(self._matchers[r], r) for r in rows],
                                               self._bitmask)
-        masked = logits.detach().float().cpu().numpy().copy()  # [R, V]
+        masked = logits.detach().float().cpu().numpy().copy()
         llg.numpy.apply_token_bitmask_inplace(masked, self._bitmask[list(rows)])
+        return masked
+
+    def choose(self, logits: torch.Tensor, rows: Sequence[int]) -> list[int]:
+        """Greedy choice among the allowed tokens: one token id per row of `rows`."""
+        masked = self.mask(logits, rows)
         out = []
         for i, r in enumerate(rows):
             if not np.isfinite(masked[i]).any():
                 raise RuntimeError(f"the output schema allows no token here: {self._matchers[r].get_error()}")
             out.append(int(masked[i].argmax()))
         return out
+
+    def stopped(self, row: int) -> bool:
+        return bool(self._matchers[row].is_stopped())
 
     def advance(self, row: int, token: int) -> bool:
         """Feed `row` its chosen token; returns whether the row is done."""

@@ -59,3 +59,15 @@ def test_routing_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     # large ones (tasks 0 and 2), so at least one eviction; rebuilds past 3 depend on the runner's order
     assert contenders["capped"]["prefix_evictions"] > 0 and contenders["capped"]["prefix_builds"] >= 3
     assert report["routed_over_per_task"] == contenders["routed"]["rows_per_s"] / contenders["per_task"]["rows_per_s"]
+
+
+def test_extraction_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
+    from benchmarks import extraction
+
+    report = extraction.run([f"--model={tiny_dir}", "--rows=5", "--a_rows=2", "--rounds=1", f"--out_dir={tmp_path}"])
+    assert json.loads((tmp_path / "extraction.json").read_text())["rows"] == 5
+    assert report["identical"] == {"A": True, "B": True}  # the same tokens from all three contenders
+    assert set(report["ms_per_row"]) == {"A", "B", "C"} and report["generated_tokens_per_row"] > 0
+    assert "model: decode steps" in report["c_time_split_s"]
+    assert report["accuracy"]["rows"] == 40 and set(report["accuracy"]["fields"]) == {
+        "product_area", "order_id", "amount", "urgency", "refund_requested"}
