@@ -76,19 +76,35 @@ class RowMatchers:
         self._executor = llg.LLExecutor()
         self._bitmask = llg.numpy.allocate_token_bitmask(len(matchers), constraint.vocab_size)
 
-    def mask(self, logits: torch.Tensor, rows: Sequence[int]) -> np.ndarray:
-        """The logits ``[R, V]`` of `rows` (row indices of this call, in the same order) with
-        every token the schema does not allow next at -inf (a float32 numpy copy)."""
+    def fill(self, rows: Sequence[int]) -> None:
+        """Compute the allowed-token masks of `rows` (row indices of this call) for this step."""
         llg = _llguidance()
         llg.numpy.fill_next_token_bitmask_par(self._executor, [(self._matchers[r], r) for r in rows],
                                               self._bitmask)
+
+    def allowed(self, row: int) -> np.ndarray:
+        """The token ids `row` may take next (after `fill`), ascending."""
+        bits = np.unpackbits(self._bitmask[row].view(np.uint8), bitorder="little")
+        return np.flatnonzero(bits[:self._constraint.vocab_size])
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int]) -> np.ndarray:
+        """The logits ``[R, V]`` of `rows` (in that order; after `fill`) with every token the
+        schema does not allow at -inf, as a float32 numpy copy."""
         masked = logits.detach().float().cpu().numpy().copy()
-        llg.numpy.apply_token_bitmask_inplace(masked, self._bitmask[list(rows)])
+        _llguidance().numpy.apply_token_bitmask_inplace(masked, self._bitmask[list(rows)])
         return masked
+
+    def mask(self, logits: torch.Tensor, rows: Sequence[int]) -> np.ndarray:
+        """`fill` then `apply`."""
+        self.fill(rows)
+        return self.apply(logits, rows)
 
     def choose(self, logits: torch.Tensor, rows: Sequence[int]) -> list[int]:
         """Greedy choice among the allowed tokens: one token id per row of `rows`."""
-        masked = self.mask(logits, rows)
+        return self.argmax(self.mask(logits, rows), rows)
+
+    def argmax(self, masked: np.ndarray, rows: Sequence[int]) -> list[int]:
+        """The best allowed token of each row of masked logits ``[R, V]``."""
         out = []
         for i, r in enumerate(rows):
             if not np.isfinite(masked[i]).any():

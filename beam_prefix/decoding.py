@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from beam_prefix.constraints import RowMatchers
@@ -59,7 +60,7 @@ def decode_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequen
             last = hidden[torch.arange(batch), step.lengths - 1]  # [B, H]
             active = list(range(batch))
             for t in range(max_new_tokens):
-                chosen = matchers.choose(head.logits(last[active]), active)
+                chosen = _choose(head, matchers, last, active)
                 still = []
                 for row, token in zip(active, chosen):
                     tokens[row].append(token)
@@ -73,6 +74,31 @@ def decode_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequen
                 hidden = forward(model, prefix, _token_step(tokens, active, call, ends + t), cache=cache, call=call)
                 last = hidden[:, 0]
     return [Decoded(tuple(t), f) for t, f in zip(tokens, finished)]
+
+
+# a row whose allowed tokens number at most this has logits computed for those tokens only
+# (inside JSON structure: an enum's values, digits, `null`); otherwise over the vocabulary
+SMALL_ALLOWED = 2048
+
+
+def _choose(head: OutputHead, matchers: RowMatchers, last: torch.Tensor, active: list[int]) -> list[int]:
+    """Each active row's greedy token among those the schema allows. Rows with few allowed
+    tokens score only those (one matmul over the union of their sets, each row masked to
+    its own), which is most steps of a JSON object; the others score the vocabulary."""
+    matchers.fill(active)
+    allowed = {r: matchers.allowed(r) for r in active}
+    small = [r for r in active if 0 < len(allowed[r]) <= SMALL_ALLOWED]
+    chosen: dict[int, int] = {}
+    if small:
+        union = np.unique(np.concatenate([allowed[r] for r in small]))
+        logits = head.logits_for(last[small], torch.from_numpy(union)).numpy()  # [S, U]
+        for i, r in enumerate(small):
+            own = np.isin(union, allowed[r], assume_unique=True)
+            chosen[r] = int(union[np.flatnonzero(own)[logits[i, own].argmax()]])
+    rest = [r for r in active if r not in chosen]
+    if rest:
+        chosen.update(zip(rest, matchers.argmax(matchers.apply(head.logits(last[rest]), rest), rest)))
+    return [chosen[r] for r in active]
 
 
 def _token_step(tokens: list[list[int]], active: list[int], call: CallState, positions: torch.Tensor) -> Step:

@@ -126,8 +126,8 @@ class ExtractFields(beam.PTransform):
             at construction, so workers do not need the file).
         model: ``embedded`` (default: the task's model, else embedded), a directory, a
             ``.gguf`` file, a ``gs://`` directory or a hub id.
-        text_column, id_column, dtype, threads, batch_size, verify, keep_columns: as for
-            `ClassifyText`.
+        text_column, id_column, dtype, threads, verify, keep_columns: as for `ClassifyText`.
+        batch_size: rows decoded together (default 64).
         min_batch_size, max_batch_size, max_batch_duration_secs: `beam.BatchElements`
             settings, as for `ClassifyText`.
         max_text_tokens, overflow, max_new_tokens: override the task's settings.
@@ -141,7 +141,7 @@ class ExtractFields(beam.PTransform):
     def __init__(self, *, task: ExtractionSpec | str | os.PathLike, model: str | None = None,
                  text_column: str = "text", id_column: str | None = None, dtype: str = "float32",
                  threads: int | None = None, min_batch_size: int | None = None, max_batch_size: int | None = None,
-                 max_batch_duration_secs: float | None = None, batch_size: int = 16,
+                 max_batch_duration_secs: float | None = None, batch_size: int = 64,
                  max_text_tokens: int | None = None, overflow: str | None = None, max_new_tokens: int | None = None,
                  verify: bool = True, keep_columns=None, label: str | None = None):
         super().__init__(label)

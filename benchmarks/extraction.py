@@ -121,8 +121,9 @@ def _profiled():
     wrap(decoding, "forward", lambda model, prefix, step, **kw: "model: suffix pass" if step.causal
          else "model: decode steps")
     wrap(attention, "_prefix_part", "of which prefix attention")
-    wrap(scoring.OutputHead, "logits", "vocabulary head")
-    wrap(constraints.RowMatchers, "choose", "grammar masks + choice")
+    wrap(scoring.OutputHead, "logits", "vocabulary head (rows with many allowed tokens)")
+    wrap(scoring.OutputHead, "logits_for", "vocabulary head (rows with few allowed tokens)")
+    wrap(constraints.RowMatchers, "fill", "grammar masks")
     try:
         yield spent
     finally:
@@ -212,7 +213,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", type=int, default=60)
     parser.add_argument("--a_rows", type=int, default=20, help="rows for A (the slowest), the first of --rows")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
     return parser

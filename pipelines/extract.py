@@ -82,7 +82,7 @@ def extract_transform(options: PipelineOptions, task: ExtractionSpec, keep_colum
     o = options.view_as(ClassifyOptions)
     return ExtractFields(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column, dtype=o.dtype,
                          threads=o.torch_threads, min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size,
-                         batch_size=o.batch_size, max_text_tokens=o.max_text_tokens, overflow=o.overflow,
+                         batch_size=o.batch_size or 64, max_text_tokens=o.max_text_tokens, overflow=o.overflow,
                          max_new_tokens=options.view_as(ExtractOptions).max_new_tokens, verify=o.verify == "true",
                          keep_columns=keep_columns)
 

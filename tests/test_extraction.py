@@ -201,18 +201,18 @@ def test_an_exception_mid_decode_leaves_nothing_behind(tiny_models, monkeypatch,
     checksum = ex.prefix_cache.checksum()
     from beam_prefix.constraints import RowMatchers
 
-    real, calls = RowMatchers.choose, []
+    real, calls = RowMatchers.fill, []
 
-    def failing(self, logits, rows):
+    def failing(self, rows):
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == 5:  # the fifth generated token of the first batch
             raise RuntimeError("injected")
-        return real(self, logits, rows)
+        return real(self, rows)
 
-    monkeypatch.setattr(RowMatchers, "choose", failing)
+    monkeypatch.setattr(RowMatchers, "fill", failing)
     with pytest.raises(RuntimeError, match="injected"):
         ex.extract(TEXTS[:6])
-    monkeypatch.setattr(RowMatchers, "choose", real)
+    monkeypatch.setattr(RowMatchers, "fill", real)
     assert ex.cache_length() == ex.prefix_length
     assert _tokens(ex.extract(TEXTS[:6])) == before
     assert ex.prefix_cache.checksum() == checksum

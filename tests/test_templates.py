@@ -39,6 +39,25 @@ def test_metadata_parameters_are_the_pipeline_options_and_back():
         assert p["helpText"] == actions[name].help, f"{name}: help text differs from the option's"
 
 
+def test_extract_metadata_is_the_extract_pipelines_options():
+    from pipelines.extract import CLASSIFY_ONLY, ExtractOptions
+
+    parser = argparse.ArgumentParser()
+    ClassifyOptions._add_argparse_args(parser)
+    ExtractOptions._add_argparse_args(parser)
+    actions = {a.dest: a for a in parser._actions if a.dest != "help" and a.dest not in CLASSIFY_ONLY}
+    with open(TEMPLATES / "extract_metadata.json", encoding="utf-8") as f:
+        params = {p["name"]: p for p in json.load(f)["parameters"]}
+    assert set(params) == set(actions), (set(params) ^ set(actions))
+    for name, p in params.items():
+        assert p["isOptional"] is True and p["helpText"] == actions[name].help, name
+        choices = actions[name].choices
+        for choice in choices or ():
+            assert any(re.fullmatch(r, str(choice)) for r in p["regexes"]), (name, choice)
+    docker = (TEMPLATES / "Dockerfile").read_text(encoding="utf-8")
+    assert "COPY templates/launch_extract.py" in docker and (TEMPLATES / "launch_extract.py").exists()
+
+
 def test_metadata_regexes_accept_every_choice_and_reject_junk():
     actions = _parser_actions()
     for p in _metadata()["parameters"]:
