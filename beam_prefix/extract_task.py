@@ -44,7 +44,7 @@ import re
 from typing import Any, Mapping
 
 from beam_prefix.errors import TaskSpecError
-from beam_prefix.task import TaskSpec, _as_sequence, _short, read_task_file, suffix_parts, validate_common
+from beam_prefix.task import PromptTask, TaskSpec, _as_sequence, _short, read_task_file, validate_common
 
 __all__ = ["Field", "ExtractExample", "ExtractionSpec", "FIELD_TYPES", "load_task"]
 
@@ -145,7 +145,7 @@ class ExtractExample:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtractionSpec:
+class ExtractionSpec(PromptTask):
     """An extraction task, independent of any model (see the module docstring).
 
     Args:
@@ -239,33 +239,11 @@ class ExtractionSpec:
         out += [(f"examples: example {text[:40]!r}", text + "\n" + answer) for text, answer in self.example_turns()]
         return out
 
-    def render_suffix(self, text: str) -> str:
-        head, tail = self.suffix_parts()
-        return head + text + tail
-
-    def suffix_parts(self) -> tuple[str, str]:
-        return suffix_parts(self.suffix_template)
-
-    def replace(self, **changes: Any) -> "ExtractionSpec":
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "task") -> "ExtractionSpec":
-        if not isinstance(data, Mapping):
-            raise TaskSpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-        unknown = sorted(set(data) - _KNOWN_KEYS, key=str)
-        if unknown:
-            raise TaskSpecError(f"{source}: unknown field(s) {unknown} for kind extract; known fields are "
-                                f"{sorted(_KNOWN_KEYS)}")
-        if "fields" not in data:
-            raise TaskSpecError(f"{source}: no 'fields' field; an extraction task needs at least one field")
-        kwargs = {k: v for k, v in data.items() if k != "kind"}
-        kwargs["instructions"] = kwargs.get("instructions") or ""
-        kwargs["examples"] = kwargs.get("examples") or ()
-        try:
-            return cls(**kwargs)
-        except TaskSpecError as e:
-            raise TaskSpecError(f"{source}: {e}") from None
+        """Build a task from a parsed mapping (the YAML document)."""
+        return cls._from_mapping(data, source, _KNOWN_KEYS, "fields", "an extraction task needs at least one field",
+                                 ("examples",))
 
 
 def load_task(source) -> TaskSpec | ExtractionSpec:

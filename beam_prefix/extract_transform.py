@@ -32,7 +32,7 @@ from beam_prefix.extract_task import ExtractionSpec, load_task
 from beam_prefix.extractor import Extraction, Extractor
 from beam_prefix.metrics import NAMESPACE
 from beam_prefix.model import EMBEDDED, LoadedModel
-from beam_prefix.schemas import input_fields
+from beam_prefix.schemas import input_fields, kept_fields
 from beam_prefix.transforms import ClassifyResult, as_rows, batched_step, batching_args
 
 __all__ = ["ExtractFields", "ExtractConfig", "ExtractFieldsDoFn", "EXTRACTED_TAG", "extracted_type"]
@@ -103,12 +103,7 @@ class ExtractFieldsDoFn(PrefixStepDoFn):
 
 def extracted_type(config: ExtractConfig, fields) -> RowTypeConstraint:
     """The ``extracted`` row type for schema'd input `fields` ((name, type) pairs)."""
-    types = dict(fields)
-    if config.keep_columns is not None:
-        missing = [c for c in config.keep_columns if c not in types]
-        if missing:
-            raise ValueError(f"keep_columns {missing} are not fields of the input (fields: {list(types)})")
-        fields = [(c, types[c]) for c in config.keep_columns]
+    fields = kept_fields(config, fields)
     added = [(f.name, Optional[_PYTHON_TYPES[f.type]] if f.nullable else _PYTHON_TYPES[f.type])
              for f in config.task.fields]
     added += [("raw_output", str), ("truncated", bool)]

@@ -26,7 +26,7 @@ import apache_beam as beam
 from apache_beam.typehints import schemas
 from apache_beam.typehints.row_type import RowTypeConstraint
 
-__all__ = ["input_fields", "labeled_type", "FAILED_TYPE", "TOP_K_ENTRY", "ToRow", "failed_row", "failed_values", "json_text",
+__all__ = ["input_fields", "kept_fields", "labeled_type", "FAILED_TYPE", "TOP_K_ENTRY", "ToRow", "failed_row", "failed_values", "json_text",
            "bigquery_schema", "bigquery_row"]
 
 TOP_K_ENTRY = RowTypeConstraint.from_fields([("label", str), ("score", float)])
@@ -42,14 +42,20 @@ def input_fields(element_type) -> list[tuple[str, Any]] | None:
         return None
 
 
+def kept_fields(config, fields: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The input `fields` a step's output rows carry: all, or the config's `keep_columns`."""
+    types = dict(fields)
+    if config.keep_columns is None:
+        return list(fields)
+    missing = [c for c in config.keep_columns if c not in types]
+    if missing:
+        raise ValueError(f"keep_columns {missing} are not fields of the input (fields: {list(types)})")
+    return [(c, types[c]) for c in config.keep_columns]
+
+
 def labeled_type(config, fields: Sequence[tuple[str, Any]]) -> RowTypeConstraint:
     """The ``labeled`` row type for input `fields` and a `ClassifyConfig`."""
-    types = dict(fields)
-    if config.keep_columns is not None:
-        missing = [c for c in config.keep_columns if c not in types]
-        if missing:
-            raise ValueError(f"keep_columns {missing} are not fields of the input (fields: {list(types)})")
-        fields = [(c, types[c]) for c in config.keep_columns]
+    fields = kept_fields(config, fields)
     added = {"label": str, "score": float, "truncated": bool, "prompt_fingerprint": str, "model": str,
              "top_k": typing.List[TOP_K_ENTRY], "task": str, "task_version": Optional[str]}
     return RowTypeConstraint.from_fields(

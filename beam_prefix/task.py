@@ -37,7 +37,7 @@ import yaml
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["Label", "Example", "TaskSpec", "read_task_file", "validate_common", "suffix_parts", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
+__all__ = ["Label", "Example", "TaskSpec", "PromptTask", "read_task_file", "validate_common", "suffix_parts", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
 
 MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
 _MAX_NAME_CHARS = 200
@@ -84,8 +84,50 @@ class Example:
             raise TaskSpecError(f"examples: label of example {self.text[:40]!r} must be a string")
 
 
+class PromptTask:
+    """What every kind of task shares: the suffix template's parts, `replace`, and reading
+    from a parsed mapping with the known keys checked (each kind adds its own fields)."""
+
+    kind = "classify"
+    suffix_template: str
+
+    def render_suffix(self, text: str) -> str:
+        """The suffix template with `text` in its slot (no `str.format` on user text)."""
+        head, tail = self.suffix_parts()
+        return head + text + tail
+
+    def suffix_parts(self) -> tuple[str, str]:
+        """The literal text before and after the `{text}` slot."""
+        return suffix_parts(self.suffix_template)
+
+    def replace(self, **changes: Any):
+        """A copy with some fields changed (e.g. `task.replace(calibration=True)`)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def _from_mapping(cls, data: Any, source: str, known: set, required: str, missing: str,
+                      lists: Sequence[str]):
+        """`cls(**data)` after the checks every kind makes; `lists`: fields where null means empty."""
+        if not isinstance(data, Mapping):
+            raise TaskSpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        unknown = sorted(set(data) - known, key=str)
+        if unknown:
+            raise TaskSpecError(f"{source}: unknown field(s) {unknown} for kind {cls.kind}; known fields are "
+                                f"{sorted(known)}")
+        if required not in data:
+            raise TaskSpecError(f"{source}: no {required!r} field; {missing}")
+        kwargs = {k: v for k, v in data.items() if k != "kind"}
+        kwargs["instructions"] = kwargs.get("instructions") or ""
+        for name in lists:
+            kwargs[name] = kwargs.get(name) or ()
+        try:
+            return cls(**kwargs)
+        except TaskSpecError as e:
+            raise TaskSpecError(f"{source}: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
-class TaskSpec:
+class TaskSpec(PromptTask):
     """A classification task, independent of any model.
 
     Args:
@@ -174,8 +216,6 @@ class TaskSpec:
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise TaskSpecError(f"label_tolerance: expected a number between 0 and 1 (exclusive), got {tol!r}")
 
-    kind = "classify"  # what the task file's optional `kind:` says (`extract_task.ExtractionSpec`: "extract")
-
     @property
     def label_names(self) -> tuple[str, ...]:
         return tuple(label.name for label in self.labels)
@@ -201,42 +241,14 @@ class TaskSpec:
         out += [(f"examples: example {e.text[:40]!r}", e.text + "\n" + e.label) for e in self.examples]
         return out
 
-    def render_suffix(self, text: str) -> str:
-        """The suffix template with `text` in its slot (no `str.format` on user text)."""
-        head, tail = self.suffix_parts()
-        return head + text + tail
-
-    def suffix_parts(self) -> tuple[str, str]:
-        """The literal text before and after the `{text}` slot."""
-        return suffix_parts(self.suffix_template)
-
-    def replace(self, **changes: Any) -> "TaskSpec":
-        """A copy with some fields changed (e.g. `task.replace(calibration=True)`)."""
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "task") -> "TaskSpec":
         """Build a task from a parsed mapping (the YAML document)."""
-        if not isinstance(data, Mapping):
-            raise TaskSpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-        if data.get("kind", cls.kind) != cls.kind:
+        if isinstance(data, Mapping) and data.get("kind", cls.kind) != cls.kind:
             raise TaskSpecError(f"{source}: kind {_short(data.get('kind'))} is not a classification task; "
                                 f"read it with beam_prefix.load_task")
-        unknown = sorted(set(data) - _KNOWN_KEYS, key=str)
-        if unknown:
-            raise TaskSpecError(f"{source}: unknown field(s) {unknown}; known fields are {sorted(_KNOWN_KEYS)}")
-        data = {k: v for k, v in data.items() if k != "kind"}
-        if "labels" not in data:
-            raise TaskSpecError(f"{source}: no 'labels' field; a task needs at least two labels")
-        kwargs = dict(data)
-        kwargs.setdefault("instructions", "")
-        kwargs["instructions"] = kwargs["instructions"] or ""
-        kwargs["examples"] = kwargs.get("examples") or ()
-        kwargs["labels"] = kwargs.get("labels") or ()
-        try:
-            return cls(**kwargs)
-        except TaskSpecError as e:
-            raise TaskSpecError(f"{source}: {e}") from None
+        return cls._from_mapping(data, source, _KNOWN_KEYS, "labels", "a task needs at least two labels",
+                                 ("examples", "labels"))
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "TaskSpec":

@@ -116,7 +116,7 @@ def test_failed_rows_keep_the_original_row(tiny_dir):
 def test_beam_batches_default_to_several_forward_batches():
     # the DoFn sorts a Beam batch by length: several forward batches per Beam batch pack
     # similar lengths together, also when a user raises batch_size alone
-    bounds = lambda t: (t._min_batch_size, t._max_batch_size)
+    bounds = lambda t: (t._batching["min_batch_size"], t._batching["max_batch_size"])
     assert bounds(ClassifyText(task=_task())) == (8, 64)
     assert bounds(ClassifyText(task=_task(), batch_size=64)) == (8, 256)
     assert bounds(ClassifyText(task=_task(), min_batch_size=100)) == (100, 100)
