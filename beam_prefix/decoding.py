@@ -91,7 +91,7 @@ def _choose(head: OutputHead, matchers: RowMatchers, last: torch.Tensor, active:
     chosen: dict[int, int] = {}
     if small:
         union = np.unique(np.concatenate([allowed[r] for r in small]))
-        logits = head.logits_for(last[small], torch.from_numpy(union)).numpy()  # [S, U]
+        logits = head.logits_for(last[small], torch.from_numpy(union).to(last.device)).cpu().numpy()  # [S, U]
         for i, r in enumerate(small):
             own = np.isin(union, allowed[r], assume_unique=True)
             chosen[r] = int(union[np.flatnonzero(own)[logits[i, own].argmax()]])
