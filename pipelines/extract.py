@@ -42,6 +42,9 @@ _LOGGER = logging.getLogger("pipelines.extract")  # also when run as __main__
 # ClassifyOptions flags that mean nothing to extraction: refused when given
 CLASSIFY_ONLY = ("task_dir", "task_column", "max_prefix_cache_mb", "calibration", "label_search", "top_k",
                  "prob_columns", "eval_label_column")
+# failed rows beside the output (without --failed_output): not `failed`, which a
+# classification run into the same directory writes
+FAILED_NAME = "failed_extract"
 _ARROW_TYPES = {"string": pa.string(), "enum": pa.string(), "date": pa.date32(), "integer": pa.int64(),
                 "number": pa.float64(), "boolean": pa.bool_()}
 
@@ -144,13 +147,14 @@ def _build(p, options, extracted_to: Destination, failed_to: Destination, stagin
 
 def build(p: beam.Pipeline, options: PipelineOptions) -> Plan:
     """Add read -> extract -> write (extracted and failed) and the counting steps to `p`."""
-    return launch.build(p, options, _build, default_output=DEFAULT_OUTPUT["extract"], validate_more=_validate)
+    return launch.build(p, options, _build, default_output=DEFAULT_OUTPUT["extract"], failed_name=FAILED_NAME,
+                        validate_more=_validate)
 
 
 def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = None, *, on_plan=None) -> dict:
     """Build and run the pipeline; return the summary (also printed and written as JSON)."""
     return launch.run(argv, test_pipeline, compose=_build, default_output=DEFAULT_OUTPUT["extract"],
-                      validate_more=_validate, on_plan=on_plan)
+                      failed_name=FAILED_NAME, validate_more=_validate, on_plan=on_plan)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,12 +77,12 @@ def _prepare(options: PipelineOptions) -> None:
 
 
 def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, default_output: str,
-          validate_more=None) -> Plan:
+          failed_name: str = "failed", validate_more=None) -> Plan:
     """Check the flags, stage the outputs, and let `compose` add the pipeline's graph to `p`."""
     _prepare(options)
     if validate_more is not None:
         validate_more(options)
-    labeled_to, failed_to = destinations(options, default_output=default_output)
+    labeled_to, failed_to = destinations(options, default_output=default_output, failed_name=failed_name)
     staging, summary_path = _stage(options, labeled_to, failed_to)
     staging.preflight()  # before anything loads: an unwritable output fails in one line
     try:
@@ -93,7 +93,7 @@ def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, defau
 
 
 def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose: Compose, default_output: str,
-        validate_more=None, on_plan=None) -> dict:
+        failed_name: str = "failed", validate_more=None, on_plan=None) -> dict:
     """Build and run the pipeline; return the summary (also printed and written as JSON).
 
     File outputs are staged and published only when the run and its summary succeed
@@ -104,6 +104,7 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         test_pipeline: a pipeline to build into (tests); its runner and options are used.
         compose: the pipeline's graph (see the module docstring).
         default_output: the output prefix when --output is not given.
+        failed_name: the failed rows' prefix beside the output (without --failed_output).
         validate_more: the pipeline's own flag checks, run with the shared ones.
         on_plan: called with the `Plan` once the graph is built (before it runs).
     """
@@ -114,7 +115,8 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         argv.append(f"--beam_plugins={bigquery_endpoint.__name__}")
     options = PipelineOptions(argv)
     p = test_pipeline or beam.Pipeline(options=options)
-    plan = build(p, options, compose, default_output=default_output, validate_more=validate_more)
+    plan = build(p, options, compose, default_output=default_output, failed_name=failed_name,
+                 validate_more=validate_more)
     if on_plan is not None:
         on_plan(plan)
     _LOGGER.info("running on %s (each worker loads the model, builds the prefix cache once and "

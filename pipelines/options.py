@@ -63,7 +63,7 @@ class ClassifyOptions(PipelineOptions):
         io.add_argument("--output_table", default=None,
                         help="Write labelled rows to this BigQuery table (PROJECT:DATASET.TABLE) instead of files.")
         io.add_argument("--failed_output", default=None,
-                        help="Path prefix for failed rows (default: 'failed' beside --output).")
+                        help="Path prefix for failed rows (default: 'failed' beside --output; 'failed_extract' for pipelines.extract).")
         io.add_argument("--failed_output_table", default=None,
                         help="BigQuery table for failed rows (default with --output_table: that table + '_failed').")
         io.add_argument("--bigquery_write_method", default="DEFAULT", choices=BIGQUERY_WRITE_METHODS,

@@ -182,9 +182,11 @@ class Destination:
         return f"{self.path}-*.{self.fmt}"
 
 
-def destinations(options: PipelineOptions, *, default_output: str) -> tuple[Destination, Destination]:
+def destinations(options: PipelineOptions, *, default_output: str,
+                 failed_name: str = "failed") -> tuple[Destination, Destination]:
     """(main output, failed) destinations from the flags (`default_output`: the prefix when
-    --output is not given)."""
+    --output is not given; `failed_name`: the failed rows' prefix beside it, unless
+    --failed_output is given)."""
     o = options.view_as(ClassifyOptions)
     output = o.output or default_output
     if o.output_table:
@@ -192,7 +194,7 @@ def destinations(options: PipelineOptions, *, default_output: str) -> tuple[Dest
         if o.failed_output:
             return Destination(table=o.output_table), Destination(path=o.failed_output, fmt=o.output_format)
         return Destination(table=o.output_table), Destination(table=failed_table)
-    failed = o.failed_output or _beside(output, "failed")
+    failed = o.failed_output or _beside(output, failed_name)
     return Destination(path=output, fmt=o.output_format), Destination(path=failed, fmt=o.output_format)
 
 

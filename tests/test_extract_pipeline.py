@@ -53,7 +53,7 @@ def test_parquet_in_typed_parquet_out(tiny_dir, task_file, reference, tmp_path):
                            f"--task={task_file}", "--id_column=ticket_id", "--columns_to_keep=ticket_id,text,priority",
                            f"--output={tmp_path}/out/extracted"])
     table = _read(f"{tmp_path}/out/extracted-*.parquet")
-    failed = _read(f"{tmp_path}/out/failed-*.parquet").to_pylist()
+    failed = _read(f"{tmp_path}/out/failed_extract-*.parquet").to_pylist()
     schema = table.schema
     assert schema.names[:3] == ["ticket_id", "text", "priority"] and schema.field("priority").type == pa.int64()
     assert schema.field("product_area").type == pa.string() and not schema.field("product_area").nullable
