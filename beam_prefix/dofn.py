@@ -32,8 +32,8 @@ from beam_prefix.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB, PoolUse, Prefix
 from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.task import TaskSpec
 
-__all__ = ["PrefixCachedClassifyDoFn", "PrefixStepDoFn", "StepConfig", "ClassifyConfig", "FAILED_TAG", "LABELED_TAG", "prob_column",
-           "TOP_K_COLUMN", "PROB_COLUMNS_MAX_LABELS"]
+__all__ = ["PrefixCachedClassifyDoFn", "PrefixStepDoFn", "StepConfig", "ClassifyConfig", "FAILED_TAG",
+           "LABELED_TAG", "prob_column", "TOP_K_COLUMN", "PROB_COLUMNS_MAX_LABELS"]
 
 _LOGGER = logging.getLogger(__name__)
 
