@@ -153,11 +153,12 @@ class PrefixClassifier:
         self._calibration: torch.Tensor | None = None
         _LOGGER.info("prefix cache: %s; %s scoring (%s label search); %s prefix attention; built in %.2f s",
                      self.layout.describe(), self.mode, self.label_search, self.prefix_attention, prompt.build_s)
-        start = time.perf_counter() - prompt.build_s
+        start = time.perf_counter()
         if task.calibration:
             self._calibration = self._calibration_vector(task.calibration)
-        # what start-up cost, for run summaries: seconds, and the self-check's ms per row
-        self.startup = {"prefix_build_s": time.perf_counter() - start}
+        # what start-up cost, for run summaries: seconds (the prefix with its calibration),
+        # and the self-check's ms per row
+        self.startup = {"prefix_build_s": prompt.build_s + time.perf_counter() - start}
         if verify:
             start = time.perf_counter()
             self.verify(VERIFY_PROBES)

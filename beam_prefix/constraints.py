@@ -121,7 +121,3 @@ class RowMatchers:
         if not matcher.consume_token(token):
             raise RuntimeError(f"the output schema refused token {token}: {matcher.get_error()}")
         return matcher.is_stopped() or token in self._constraint.eos_ids
-
-    def accepting(self, row: int) -> bool:
-        """The row's output so far is a complete object."""
-        return bool(self._matchers[row].is_accepting() or self._matchers[row].is_stopped())

@@ -332,9 +332,6 @@ class PrefixCachedClassifyDoFn(PrefixStepDoFn):
     def __init__(self, config: ClassifyConfig, *, step_name: str = "ClassifyText"):
         super().__init__(config, step_name=step_name)
 
-    def _classify_rows(self, clf: PrefixClassifier, config: ClassifyConfig, batch: Iterable[Any]):
-        yield from self._run_rows(clf, config, batch)
-
     def _call(self, clf: PrefixClassifier, encoded: list) -> list:
         return clf.classify_encoded(encoded)
 

@@ -196,4 +196,4 @@ class RoutedClassifyDoFn(PrefixCachedClassifyDoFn):
             config = self._configs[key]
             used = self._holder.use(config)
             self._metrics.prefix_use(used, task=self._holder.task_metric_name(key, MAX_TASK_METRICS), rows=len(rows))
-            yield from self._classify_rows(used.classifier.fork(), config, rows)
+            yield from self._run_rows(used.classifier.fork(), config, rows)

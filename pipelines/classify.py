@@ -20,14 +20,13 @@ import sys
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.dofn import FAILED_TAG
 from pipelines import launch
 from pipelines.launch import Plan, RunFailed, explain
 from pipelines.options import DEFAULT_OUTPUT, SAMPLE_GOLD_COLUMN, ClassifyOptions, classify_transform
 from pipelines.publish import Staging
-from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, failed_output_row, kept_columns, labeled_schema, write
-from pipelines.sources import describe_input, input_schema, read_rows
-from pipelines.summary import GOLD_KEY, CountFailures, LabelCounter, count_rows, stash_gold
+from pipelines.sinks import Destination, kept_columns, labeled_schema
+from pipelines.sources import describe_input, input_schema
+from pipelines.summary import GOLD_KEY, LabelCounter, stash_gold
 
 __all__ = ["build", "run", "main", "Plan", "explain", "RunFailed"]
 
@@ -58,20 +57,10 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
                                                                    for n in c.task.label_names}))
     out_schema = labeled_schema(classify.config, kept)
 
-    rows, unparseable = read_rows(p, options)
-    rows = count_rows(rows, "rows_read", label="CountRowsRead")
-    if gold:
-        rows = stash_gold(rows, gold)
-    unparseable = count_rows(unparseable, "rows_read", label="CountUnparseableRows")
-    classified = rows | "ClassifyText" >> classify
-    shaped = classified.labeled | "ToOutputRow" >> beam.ParDo(ToOutputRow(
-        out_schema, kept, typed=schema is not None, id_column=o.id_column,
-        on_labeled=LabelCounter(gold))).with_outputs(FAILED_TAG, main="rows")
-    failed = ((unparseable, classified[FAILED_TAG], shaped[FAILED_TAG]) | "AllFailed" >> beam.Flatten()
-              | "CountFailed" >> beam.ParDo(CountFailures())
-              | "ToFailedRow" >> beam.Map(failed_output_row))
-    write(shaped.rows, labeled_to.staged(staging), out_schema, options, label="Labeled")
-    write(failed, failed_to.staged(staging), FAILED_SCHEMA, options, label="Failed")
+    launch.read_run_write(p, options, classify, step_name="ClassifyText", main="labeled", kept=kept,
+                          out_schema=out_schema, typed=schema is not None, on_row=LabelCounter(gold),
+                          to=(labeled_to, failed_to), staging=staging, label="Labeled",
+                          before=(lambda rows: stash_gold(rows, gold)) if gold else None)
 
     _LOGGER.info("input: %s; task %s (%d labels); model %s; labelled rows -> %s; failed rows -> %s",
                  describe_input(options), task_name, len(labels), classify.config.model,

@@ -24,16 +24,15 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.dofn import FAILED_TAG
 from beam_prefix.extract_task import ExtractionSpec, load_task
 from beam_prefix.extract_transform import ExtractConfig, ExtractFields
 from pipelines import launch
 from pipelines.launch import Plan, RunFailed, explain
 from pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, task_path
 from pipelines.publish import Staging
-from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, failed_output_row, kept_columns, write
-from pipelines.sources import describe_input, input_schema, read_rows
-from pipelines.summary import CountFailures, RowCounter, count_rows
+from pipelines.sinks import Destination, kept_columns
+from pipelines.sources import describe_input, input_schema
+from pipelines.summary import RowCounter
 
 __all__ = ["ExtractOptions", "build", "run", "main", "extracted_schema", "Plan", "explain", "RunFailed"]
 
@@ -114,7 +113,6 @@ class _Dates:
 
 def _build(p, options, extracted_to: Destination, failed_to: Destination, staging: Staging,
            summary_path: str | None) -> Plan:
-    o = options.view_as(ClassifyOptions)
     schema = input_schema(options)
     task = extraction_task(options)
     kept = kept_columns(options, schema, reserved=ExtractConfig(task=task).output_columns)
@@ -122,20 +120,11 @@ def _build(p, options, extracted_to: Destination, failed_to: Destination, stagin
     config = extract.config
     out_schema = extracted_schema(config, kept)
 
-    rows, unparseable = read_rows(p, options)
-    rows = count_rows(rows, "rows_read", label="CountRowsRead")
-    unparseable = count_rows(unparseable, "rows_read", label="CountUnparseableRows")
-    result = rows | "ExtractFields" >> extract
-    dated = result.extracted | "FieldDates" >> beam.Map(
-        _Dates([f.name for f in config.task.fields if f.type == "date"]))
-    shaped = dated | "ToOutputRow" >> beam.ParDo(ToOutputRow(
-        out_schema, kept, typed=schema is not None, id_column=o.id_column,
-        on_labeled=RowCounter("extracted"))).with_outputs(FAILED_TAG, main="rows")
-    failed = ((unparseable, result.failed, shaped[FAILED_TAG]) | "AllFailed" >> beam.Flatten()
-              | "CountFailed" >> beam.ParDo(CountFailures())
-              | "ToFailedRow" >> beam.Map(failed_output_row))
-    write(shaped.rows, extracted_to.staged(staging), out_schema, options, label="Extracted")
-    write(failed, failed_to.staged(staging), FAILED_SCHEMA, options, label="Failed")
+    dates = _Dates([f.name for f in config.task.fields if f.type == "date"])
+    launch.read_run_write(p, options, extract, step_name="ExtractFields", main="extracted", kept=kept,
+                          out_schema=out_schema, typed=schema is not None, on_row=RowCounter("extracted"),
+                          to=(extracted_to, failed_to), staging=staging, label="Extracted",
+                          after=lambda rows: rows | "FieldDates" >> beam.Map(dates))
 
     _LOGGER.info("input: %s; task %s (%d fields); model %s; extracted rows -> %s; failed rows -> %s",
                  describe_input(options), config.task.name, len(config.task.fields), config.model,

@@ -19,13 +19,16 @@ from typing import Callable
 import apache_beam as beam
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
+from beam_prefix.dofn import FAILED_TAG
 from pipelines import bigquery_endpoint
 from pipelines.options import ClassifyOptions, validate
 from pipelines.publish import Staging
-from pipelines.sinks import Destination, destinations
-from pipelines.summary import format_summary, summarize, write_confusion_png, write_json
+from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
+from pipelines.sources import read_rows
+from pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
+                               write_json)
 
-__all__ = ["Plan", "build", "run", "main", "explain", "RunFailed"]
+__all__ = ["Plan", "build", "read_run_write", "run", "main", "explain", "RunFailed"]
 
 _LOGGER = logging.getLogger("pipelines")
 
@@ -90,6 +93,33 @@ def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, defau
     except BaseException:
         staging.discard()
         raise
+
+
+def read_run_write(p, options: PipelineOptions, step, *, step_name: str, main: str, kept, out_schema, typed: bool,
+                   on_row, to: tuple[Destination, Destination], staging: Staging, label: str,
+                   before=None, after=None) -> None:
+    """The IO every pipeline shares: read the input, run `step` (a `ClassifyText` or
+    `ExtractFields`), shape its `main` output to `out_schema` and write it, and write every
+    failed row (unreadable, failed by the step, or not fitting its column) to the failed
+    destination; rows read and failed are counted for the summary, and `on_row` is called
+    with each row that goes out. `before`/`after`: steps on the rows before `step` and on
+    its main output before shaping."""
+    rows, unparseable = read_rows(p, options)
+    rows = count_rows(rows, "rows_read", label="CountRowsRead")
+    if before is not None:
+        rows = before(rows)
+    unparseable = count_rows(unparseable, "rows_read", label="CountUnparseableRows")
+    result = rows | step_name >> step
+    out = result[main] if after is None else after(result[main])
+    shaped = out | "ToOutputRow" >> beam.ParDo(ToOutputRow(
+        out_schema, kept, typed=typed, id_column=options.view_as(ClassifyOptions).id_column,
+        on_labeled=on_row)).with_outputs(FAILED_TAG, main="rows")
+    failed = ((unparseable, result[FAILED_TAG], shaped[FAILED_TAG]) | "AllFailed" >> beam.Flatten()
+              | "CountFailed" >> beam.ParDo(CountFailures())
+              | "ToFailedRow" >> beam.Map(failed_output_row))
+    main_to, failed_to = to
+    write(shaped.rows, main_to.staged(staging), out_schema, options, label=label)
+    write(failed, failed_to.staged(staging), FAILED_SCHEMA, options, label="Failed")
 
 
 def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose: Compose, default_output: str,

@@ -219,7 +219,9 @@ def test_failure_mid_run_leaves_no_files_at_all(tiny_dir, tmp_path, monkeypatch,
             seen.append(record)
             raise RuntimeError("injected failure")
 
-        monkeypatch.setattr(classify, "failed_output_row", fail_a_failed_row)
+        from pipelines import launch  # where the pipelines' failed rows are shaped
+
+        monkeypatch.setattr(launch, "failed_output_row", fail_a_failed_row)
     with pytest.raises(Exception, match="injected failure"):
         classify.run(["--runner=DirectRunner", f"--input={inputs}/*.parquet", f"--model={tiny_dir}",
                       f"--output={tmp_path}/out/labeled", "--verify=false", "--max_batch_size=2"])
