@@ -22,7 +22,7 @@ from beam_prefix.model import LoadedModel
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache
 from beam_prefix.prompt import PromptLayout
 
-__all__ = ["CachedPrompt", "PREFIX_ATTENTIONS", "length_batches"]
+__all__ = ["CachedPrompt", "PREFIX_ATTENTIONS", "length_batches", "check_context", "check_fits"]
 
 PREFIX_ATTENTIONS = ("auto", "shared", "expanded")
 
@@ -50,7 +50,7 @@ class CachedPrompt:
         if prefix_attention not in PREFIX_ATTENTIONS:
             raise ValueError(f"prefix_attention must be 'auto', 'shared' or 'expanded', got {prefix_attention!r}")
         layout = PromptLayout.build(task, loaded.tokenizer)
-        check_context(layout, loaded.model, loaded.model_id)  # before the prefix's forward allocates
+        check_context(layout, loaded.model.config, loaded.model_id)  # before the prefix's forward allocates
         start = time.perf_counter()
         prefix = PrefixCache(loaded.model, layout.prefix_ids)
         return cls(layout=layout, prefix_cache=prefix,
@@ -76,10 +76,25 @@ def choose_prefix_attention(model, requested: str) -> str:
     return "expanded"
 
 
-def check_context(layout: PromptLayout, model, model_id: str) -> None:
-    """Refuse a prompt longer than the model's positions (past them a model extrapolates,
-    or fails, and a huge prefix makes one huge allocation)."""
-    config = model.config.get_text_config()
+def check_fits(task, model: str, *, trust_remote_code: bool = False) -> None:
+    """The check `CachedPrompt.build` makes on a worker, made where only the model's
+    configuration and tokenizer are read (no weights): a launcher refuses a task that cannot
+    fit before any worker starts.
+
+    Raises:
+        ContextLengthError: as `check_context`; TaskSpecError/BoundaryError from the layout.
+    """
+    from beam_prefix.model import load_config, load_tokenizer, model_id
+
+    layout = PromptLayout.build(task, load_tokenizer(model, trust_remote_code=trust_remote_code))
+    check_context(layout, load_config(model, trust_remote_code=trust_remote_code), model_id(model))
+
+
+def check_context(layout: PromptLayout, config, model_id: str) -> None:
+    """Refuse a prompt longer than the model's positions (`config`: the model's
+    configuration; past its positions a model extrapolates, or fails, and a huge prefix
+    makes one huge allocation)."""
+    config = config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)
     parts = layout.max_positions()
     need = sum(parts.values())

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -31,7 +32,7 @@ import torch
 
 from beam_prefix.errors import ModelLoadError
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ def set_torch_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def model_id(spec: str) -> str:
+    """The id output rows carry for model `spec` (what `load_model` sets)."""
+    return _EMBEDDED_ID if spec == EMBEDDED else spec
+
+
 def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | None = None,
                trust_remote_code: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer for classification.
@@ -112,8 +118,7 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
     set_torch_threads(threads)
     start = time.perf_counter()
     if spec == EMBEDDED:
-        directory, model_id = _embedded_directory(), _EMBEDDED_ID
-        loaded = _from_directory(directory, model_id, trust_remote_code=False)
+        loaded = _from_directory(_embedded_directory(), _EMBEDDED_ID, trust_remote_code=False)
     elif spec.endswith(".gguf"):
         loaded = _from_gguf(spec, spec)
     elif "://" in spec:
@@ -132,17 +137,30 @@ def load_tokenizer(spec: str = EMBEDDED, *, trust_remote_code: bool = False):
     where the model is not loaded."""
     from transformers import AutoTokenizer
 
+    return _without_weights(AutoTokenizer, "tokenizer", spec, trust_remote_code)
+
+
+def load_config(spec: str = EMBEDDED, *, trust_remote_code: bool = False):
+    """The model configuration of `spec` alone (no weights), e.g. to check at launch that a
+    task's prompt fits the model's positions."""
+    from transformers import AutoConfig
+
+    return _without_weights(AutoConfig, "configuration", spec, trust_remote_code)
+
+
+def _without_weights(auto, what: str, spec: str, trust_remote_code: bool):
+    """`auto.from_pretrained` on what `spec` names; a remote directory's small files only."""
     try:
         if spec.endswith(".gguf"):
             directory, name = os.path.split(os.path.abspath(spec))
-            return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            return auto.from_pretrained(directory, gguf_file=name)
         path = (_embedded_directory() if spec == EMBEDDED else
-                _copy_remote(spec) if "://" in spec else spec)
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code and spec != EMBEDDED)
+                _copy_remote(spec, small_only=True) if "://" in spec else spec)
+        return auto.from_pretrained(path, trust_remote_code=trust_remote_code and spec != EMBEDDED)
     except ModelLoadError:
         raise
     except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {e}") from e
+        raise ModelLoadError(f"cannot load the {what} of {spec!r}: {e}") from e
 
 
 def _from_directory(path: str, model_id: str, *, trust_remote_code: bool) -> LoadedModel:
@@ -216,13 +234,19 @@ def _save_converted(loaded: LoadedModel, target: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _copy_remote(url: str) -> str:
-    """Copy a model directory from a Beam filesystem (gs://, s3://...) to the local cache."""
+# files of a model directory that hold no weights (what a launcher needs to check a task)
+_SMALL_FILES = re.compile(r"(config\.json|generation_config\.json|tokenizer[^/]*|special_tokens_map\.json|"
+                          r"added_tokens\.json|vocab\.(json|txt)|merges\.txt|[^/]*\.model|chat_template\.(jinja|json))")
+
+
+def _copy_remote(url: str, *, small_only: bool = False) -> str:
+    """Copy a model directory from a Beam filesystem (gs://, s3://...) to the local cache
+    (`small_only`: its configuration and tokenizer files, not the weights)."""
     from apache_beam.io.filesystem import CompressionTypes
     from apache_beam.io.filesystems import FileSystems
 
     key = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
-    target = os.path.join(cache_root(), f"remote-{key}")
+    target = os.path.join(cache_root(), f"remote-{key}" + ("-small" if small_only else ""))
     if os.path.exists(os.path.join(target, ".complete")):
         return target
     base = url.rstrip("/") + "/"
@@ -230,6 +254,8 @@ def _copy_remote(url: str) -> str:
         matches = FileSystems.match([base + "**"])[0].metadata_list
     except Exception as e:
         raise ModelLoadError(f"cannot list model directory {url!r}: {e}") from e
+    if small_only:
+        matches = [m for m in matches if _SMALL_FILES.fullmatch(m.path[len(base):])]
     if not matches:
         raise ModelLoadError(f"model directory {url!r} is empty or does not exist")
     os.makedirs(cache_root(), exist_ok=True)

@@ -37,9 +37,10 @@ import yaml
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["Label", "Example", "TaskSpec", "PromptTask", "read_task_file", "validate_common", "suffix_parts", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
+__all__ = ["Label", "Example", "TaskSpec", "PromptTask", "read_task_file", "validate_common", "suffix_parts", "nesting_depth", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
 
 MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
+MAX_TASK_DEPTH = 32  # a task file nests 4 levels (fields -> a field -> values -> a value); YAML allows thousands
 _MAX_NAME_CHARS = 200
 
 DEFAULT_CALIBRATION_TEXTS = ("N/A", "", "[MASK]")
@@ -313,7 +314,29 @@ def read_task_file(path: str) -> Any:
         raise TaskSpecError(f"task file {path!r} is not UTF-8: {e}") from None
     except yaml.YAMLError as e:
         raise TaskSpecError(f"task file {path!r} is not valid YAML: {_cut(str(e), 500)}") from None
+    except RecursionError:  # the YAML composer recurses once per level
+        raise TaskSpecError(f"task file {path!r} is nested too deeply (at most {MAX_TASK_DEPTH} levels)") from None
+    if nesting_depth(data, MAX_TASK_DEPTH) > MAX_TASK_DEPTH:  # later checks (and their messages) recurse too
+        raise TaskSpecError(f"task file {path!r} is nested too deeply (at most {MAX_TASK_DEPTH} levels)")
     return data
+
+
+def nesting_depth(data: Any, limit: int) -> int:
+    """How deeply lists and mappings nest in `data`, counted up to ``limit + 1``
+    (iteratively: a value nested past Python's recursion limit is measured too)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, Mapping):
+            children = list(value.keys()) + list(value.values())
+        elif isinstance(value, (list, tuple)):
+            children = list(value)
+        else:
+            continue
+        deepest = max(deepest, level)
+        if level <= limit:  # past the limit the answer is known
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 class _TaskLoader(yaml.SafeLoader):

@@ -20,12 +20,13 @@ import sys
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from beam_prefix.cached_prompt import check_fits
 from pipelines import launch
 from pipelines.launch import Plan, RunFailed, explain
 from pipelines.options import DEFAULT_OUTPUT, SAMPLE_GOLD_COLUMN, ClassifyOptions, classify_transform
 from pipelines.publish import Staging
 from pipelines.sinks import Destination, kept_columns, labeled_schema
-from pipelines.sources import describe_input, input_schema
+from pipelines.sources import describe_input, input_schema, require_columns
 from pipelines.summary import GOLD_KEY, LabelCounter, stash_gold
 
 __all__ = ["build", "run", "main", "Plan", "explain", "RunFailed"]
@@ -45,13 +46,15 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
     kept = kept_columns(options, schema)
     # the shipped sample has gold labels: the first run reports its accuracy
     gold = o.eval_label_column or (SAMPLE_GOLD_COLUMN if not (o.input or o.input_table or o.input_query) else None)
-    if gold and schema is not None and gold not in schema.names:
-        raise ValueError(f"--eval_label_column={gold!r} is not an input column (input columns: {schema.names})")
+    # before any model work: a column flag naming no column would fail every row
+    require_columns(options, schema, {"--eval_label_column": [gold], "--task_column": [o.task_column]})
     # labelled rows carry only what the output keeps (and the stashed gold label): an input
     # column named like an output column (a gold `label`) is dropped, not overwritten
     classify = classify_transform(options, keep_columns=[f.name for f in kept] + ([GOLD_KEY] if gold else []))
     task = classify.config.task
     routes = classify.routes
+    for config in ([classify.config] if routes is None else [c for _, c in routes.configs]):
+        check_fits(config.task, config.model)  # a prompt too long for the model: refused now, not on workers
     task_name = task.name if routes is None else f"{len(routes.configs)} tasks from {o.task_dir} by {o.task_column}"
     labels = task.label_names if routes is None else tuple(sorted({n for _, c in routes.configs
                                                                    for n in c.task.label_names}))

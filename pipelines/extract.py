@@ -24,6 +24,7 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from beam_prefix.cached_prompt import check_fits
 from beam_prefix.extract_task import ExtractionSpec, load_task
 from beam_prefix.extract_transform import ExtractConfig, ExtractFields
 from pipelines import launch
@@ -118,6 +119,7 @@ def _build(p, options, extracted_to: Destination, failed_to: Destination, stagin
     kept = kept_columns(options, schema, reserved=ExtractConfig(task=task).output_columns)
     extract = extract_transform(options, task, keep_columns=[f.name for f in kept])
     config = extract.config
+    check_fits(config.task, config.model)  # a prompt too long for the model: refused now, not on workers
     out_schema = extracted_schema(config, kept)
 
     dates = _Dates([f.name for f in config.task.fields if f.type == "date"])
@@ -137,13 +139,13 @@ def _build(p, options, extracted_to: Destination, failed_to: Destination, stagin
 def build(p: beam.Pipeline, options: PipelineOptions) -> Plan:
     """Add read -> extract -> write (extracted and failed) and the counting steps to `p`."""
     return launch.build(p, options, _build, default_output=DEFAULT_OUTPUT["extract"], failed_name=FAILED_NAME,
-                        validate_more=_validate)
+                        validate_more=_validate, kind="extract")
 
 
 def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = None, *, on_plan=None) -> dict:
     """Build and run the pipeline; return the summary (also printed and written as JSON)."""
     return launch.run(argv, test_pipeline, compose=_build, default_output=DEFAULT_OUTPUT["extract"],
-                      failed_name=FAILED_NAME, validate_more=_validate, on_plan=on_plan)
+                      failed_name=FAILED_NAME, validate_more=_validate, on_plan=on_plan, kind="extract")
 
 
 def main(argv: list[str] | None = None) -> int:

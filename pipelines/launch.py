@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 from typing import Callable
@@ -20,9 +21,10 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
 from beam_prefix.dofn import FAILED_TAG
+from beam_prefix.errors import ModelLoadError
 from pipelines import bigquery_endpoint
 from pipelines.options import ClassifyOptions, validate
-from pipelines.publish import Staging
+from pipelines.publish import Output, Staging
 from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
 from pipelines.sources import read_rows
 from pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
@@ -55,18 +57,32 @@ class Plan:
     kind: str = "classify"
 
 
-def _stage(options: PipelineOptions, labeled_to: Destination, failed_to: Destination) -> tuple[Staging, str | None]:
-    """The run's staging (file outputs written there, published at the end) and the summary's final path."""
+def _stage(options: PipelineOptions, labeled_to: Destination, failed_to: Destination, *,
+           confusion: bool) -> tuple[Staging, str | None]:
+    """The run's staging (file outputs written there, published at the end) and the
+    summary's final path; `confusion`: the run may draw a confusion PNG beside the summary."""
     o = options.view_as(ClassifyOptions)
-    summary_path = o.summary_output or (None if labeled_to.table else f"{labeled_to.path}-summary.json")
-    files = {}
+    summary_path = o.summary_output
+    if summary_path and summary_path.endswith(("/", os.sep)):  # a directory: the default name in it
+        summary_path += f"{Output('', labeled_to.path).name if labeled_to.path else 'run'}-summary.json"
+    summary_path = summary_path or (None if labeled_to.table else f"{labeled_to.path}-summary.json")
+    outputs = []
     if labeled_to.path:
-        files["--output"] = labeled_to.path
+        outputs.append(Output("--output", labeled_to.path, f".{labeled_to.fmt}"))
     if failed_to.path:
-        files["--failed_output" if o.failed_output else "--output (failed rows beside it)"] = failed_to.path
+        outputs.append(Output("--failed_output" if o.failed_output else "--output (failed rows beside it)",
+                              failed_to.path, f".{failed_to.fmt}"))
     if summary_path:
-        files["--summary_output" if o.summary_output else "--output (summary beside it)"] = summary_path
-    return Staging(files), summary_path
+        flag = "--summary_output" if o.summary_output else "--output (summary beside it)"
+        outputs.append(Output(flag, summary_path))
+        if confusion:
+            outputs.append(Output(f"{flag} (confusion PNG beside it)", confusion_path(summary_path)))
+    return Staging(outputs), summary_path
+
+
+def confusion_path(summary_path: str) -> str:
+    """Where the confusion-matrix PNG goes: beside the summary."""
+    return summary_path.removesuffix("-summary.json").removesuffix(".json") + "-confusion.png"
 
 
 def _prepare(options: PipelineOptions) -> None:
@@ -80,13 +96,14 @@ def _prepare(options: PipelineOptions) -> None:
 
 
 def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, default_output: str,
-          failed_name: str = "failed", validate_more=None) -> Plan:
+          failed_name: str = "failed", validate_more=None, kind: str = "classify") -> Plan:
     """Check the flags, stage the outputs, and let `compose` add the pipeline's graph to `p`."""
     _prepare(options)
     if validate_more is not None:
         validate_more(options)
     labeled_to, failed_to = destinations(options, default_output=default_output, failed_name=failed_name)
-    staging, summary_path = _stage(options, labeled_to, failed_to)
+    staging, summary_path = _stage(options, labeled_to, failed_to, confusion=kind == "classify")
+    staging.check()  # two outputs whose files collide would silently replace or mix rows
     staging.preflight()  # before anything loads: an unwritable output fails in one line
     try:
         return compose(p, options, labeled_to, failed_to, staging, summary_path)
@@ -123,7 +140,7 @@ def read_run_write(p, options: PipelineOptions, step, *, step_name: str, main: s
 
 
 def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose: Compose, default_output: str,
-        failed_name: str = "failed", validate_more=None, on_plan=None) -> dict:
+        failed_name: str = "failed", validate_more=None, on_plan=None, kind: str = "classify") -> dict:
     """Build and run the pipeline; return the summary (also printed and written as JSON).
 
     File outputs are staged and published only when the run and its summary succeed
@@ -136,6 +153,7 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         default_output: the output prefix when --output is not given.
         failed_name: the failed rows' prefix beside the output (without --failed_output).
         validate_more: the pipeline's own flag checks, run with the shared ones.
+        kind: ``"classify"`` (may draw a confusion PNG) or ``"extract"``.
         on_plan: called with the `Plan` once the graph is built (before it runs).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -146,7 +164,7 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
     options = PipelineOptions(argv)
     p = test_pipeline or beam.Pipeline(options=options)
     plan = build(p, options, compose, default_output=default_output, failed_name=failed_name,
-                 validate_more=validate_more)
+                 validate_more=validate_more, kind=kind)
     if on_plan is not None:
         on_plan(plan)
     _LOGGER.info("running on %s (each worker loads the model, builds the prefix cache once and "
@@ -162,7 +180,7 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
                             task=plan.task, eval_label_column=plan.eval_label_column, kind=plan.kind)
         if plan.summary_path:
             if summary.get("evaluation") and summary["evaluation"]["rows"]:
-                png = plan.summary_path.removesuffix("-summary.json").removesuffix(".json") + "-confusion.png"
+                png = confusion_path(plan.summary_path)
                 write_confusion_png(summary, plan.labels, plan.staging.path(png))
                 summary["outputs"]["confusion_matrix"] = png
             summary["outputs"]["summary"] = plan.summary_path
@@ -192,6 +210,7 @@ class RunFailed(RuntimeError):
 
 # runner errors that have a known cause, and the one line that says it
 _KNOWN_CAUSES = (
+    ("PublishError", "publishing the outputs failed"),
     ("Channel closed prematurely", "a worker process died (killed, or out of memory)"),
     ("MemoryError", "a worker ran out of memory"),
     ("ContextLengthError", "the task's prompt does not fit the model's context"),
@@ -208,7 +227,11 @@ def explain(error: BaseException, outputs: dict[str, str] | None = None) -> str:
     text = f"{type(error).__name__}: {error}"
     cause = next((why for pattern, why in _KNOWN_CAUSES if pattern in text), "the run failed")
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    where = f"; nothing was written to {', '.join(outputs.values())}" if outputs else ""
+    final = getattr(error, "final", None)
+    if final:  # a publish that could not be undone: say exactly what is final
+        where = f"; these files are final: {', '.join(final)}"
+    else:
+        where = f"; nothing was written to {', '.join(outputs.values())}" if outputs else ""
     return f"error: {cause} ({type(error).__name__}: {first[:300]}){where}"
 
 
@@ -229,7 +252,7 @@ def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(Classi
     except KeyboardInterrupt:
         print("error: interrupted; nothing was published", file=sys.stderr, flush=True)
         return 130
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ModelLoadError) as e:
         if plan:  # found while running: a runner error, not a launch-time check
             _LOGGER.error("the runner's error:\n%s", e)
             print(explain(e, plan[0].outputs), file=sys.stderr, flush=True)

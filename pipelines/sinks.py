@@ -25,6 +25,7 @@ from beam_prefix.dofn import FAILED_TAG, TOP_K_COLUMN, ClassifyConfig, failed_re
 from beam_prefix.schemas import failed_values
 from beam_prefix.schemas import json_text as to_json  # the pipelines' name for it
 from pipelines.options import ClassifyOptions
+from pipelines.sources import require_columns
 from pipelines.summary import GOLD_KEY
 
 __all__ = ["kept_columns", "labeled_schema", "FAILED_SCHEMA", "ToOutputRow", "failed_output_row",
@@ -55,11 +56,8 @@ def kept_columns(options: PipelineOptions, schema: pa.Schema | None, reserved=No
         names = [c.strip() for c in o.columns_to_keep.split(",") if c.strip()]
     else:
         names = [c for c in (o.id_column, o.text_column) if c]
-    if schema is not None:
-        missing = [n for n in names if n not in schema.names]
-        if missing:
-            raise ValueError(f"--columns_to_keep/--id_column/--text_column name columns the input lacks: "
-                             f"{missing} (input columns: {schema.names})")
+    require_columns(options, schema, {"--columns_to_keep": names if o.columns_to_keep else [],
+                                      "--text_column": [o.text_column], "--id_column": [o.id_column]})
     if reserved is None:
         reserved = {"label", "score", "truncated", "prompt_fingerprint", "model", TOP_K_COLUMN}
         clash = [n for n in names if n in reserved or n.startswith("prob_")]
@@ -188,19 +186,28 @@ def destinations(options: PipelineOptions, *, default_output: str,
     --output is not given; `failed_name`: the failed rows' prefix beside it, unless
     --failed_output is given)."""
     o = options.view_as(ClassifyOptions)
-    output = o.output or default_output
+    output = _in_directory(o.output, _beside(default_output, "")[1]) or default_output
     if o.output_table:
         failed_table = o.failed_output_table or f"{o.output_table}_failed"
         if o.failed_output:
-            return Destination(table=o.output_table), Destination(path=o.failed_output, fmt=o.output_format)
+            return Destination(table=o.output_table), Destination(path=_in_directory(o.failed_output, failed_name),
+                                                                  fmt=o.output_format)
         return Destination(table=o.output_table), Destination(table=failed_table)
-    failed = o.failed_output or _beside(output, failed_name)
+    failed = _in_directory(o.failed_output, failed_name) or _beside(output, failed_name)[0]
     return Destination(path=output, fmt=o.output_format), Destination(path=failed, fmt=o.output_format)
 
 
-def _beside(path: str, name: str) -> str:
-    head, sep, _ = path.rpartition("/")
-    return f"{head}{sep}{name}" if sep else name
+def _beside(path: str, name: str) -> tuple[str, str]:
+    """(`name` in the directory of `path`, the last part of `path`)."""
+    head, sep, last = path.rpartition("/")
+    return (f"{head}{sep}{name}" if sep else name), last
+
+
+def _in_directory(prefix: str | None, name: str) -> str | None:
+    """A prefix flag as given, or, ending in a slash (a directory), `name` inside it."""
+    if prefix and prefix.endswith("/"):
+        return prefix + name
+    return prefix
 
 
 def bigquery_write_args(options: PipelineOptions) -> dict:

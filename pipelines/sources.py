@@ -26,9 +26,11 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
 from beam_prefix.dofn import FAILED_TAG, failed_record
+from beam_prefix.task import nesting_depth
 from pipelines.options import SAMPLE_TICKETS, ClassifyOptions
 
-__all__ = ["read_rows", "input_schema", "input_format", "describe_input", "failed_record"]
+__all__ = ["read_rows", "input_schema", "known_columns", "require_columns", "input_format", "describe_input",
+           "failed_record", "SAMPLED_LINES"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -59,74 +61,118 @@ def describe_input(options: PipelineOptions) -> str:
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 
+# JSON values nested deeper than this fail their line: Beam pickles rows recursively and
+# overflows Python's stack a few hundred levels down, failing the whole run
+MAX_ROW_DEPTH = 64
+
+
 class _ParseJsonLines(beam.DoFn):
-    """One JSON object per line (read as bytes); a line that is not one becomes a failed row."""
+    """One JSON object per line (read as bytes); a line that is not one becomes a failed row
+    (keeping its `id_column` value where the line parsed), whatever parsing it raised. Blank
+    lines are skipped, as CSV's are."""
+
+    def __init__(self, id_column: str | None = None):
+        self._id_column = id_column
 
     def process(self, raw: bytes):
         try:
             line = raw.decode("utf-8").removeprefix("\ufeff")
         except UnicodeDecodeError as e:
-            yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
-                {"line": raw.decode("utf-8", "backslashreplace")}, reason="undecodable",
-                error=f"not UTF-8: byte {raw[e.start:e.end]!r} at byte {e.start} of the line", stage="read"))
+            yield _failed({"line": raw.decode("utf-8", "backslashreplace")}, "undecodable",
+                          f"not UTF-8: byte {raw[e.start:e.end]!r} at byte {e.start} of the line")
+            return
+        if not line.strip():
             return
         try:
             row = json.loads(line)
-        except ValueError as e:
-            yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
-                {"line": line}, reason="unparseable", error=f"not JSON: {e}", stage="read"))
+        except RecursionError:
+            yield _failed({"line": line[:1000]}, "unparseable", "not JSON this reader takes: nested too deeply")
+            return
+        except Exception as e:  # noqa: BLE001 - whatever one line raises fails that line
+            yield _failed({"line": line}, "unparseable", f"not JSON: {type(e).__name__}: {e}")
             return
         if not isinstance(row, dict):
-            yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
-                {"line": line}, reason="unparseable", error="a JSON line must be an object", stage="read"))
+            yield _failed({"line": line}, "unparseable", "a JSON line must be an object")
             return
+        if nesting_depth(row, MAX_ROW_DEPTH) > MAX_ROW_DEPTH:  # Beam's coders recurse once per level
+            yield _failed({"line": line[:1000]}, "unparseable",
+                          f"not JSON this reader takes: nested too deeply (at most {MAX_ROW_DEPTH} levels)")
+            return
+        id_value = row.get(self._id_column) if self._id_column else None
         try:  # a "\ud800" escape decodes to a lone surrogate, which no UTF-8 coder or writer takes
             json.dumps(row, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:
-            yield beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(
-                {"line": line}, reason="invalid_unicode", error=f"not valid Unicode: {e.reason}", stage="read"))
+            yield _failed({"line": line}, "invalid_unicode", f"not valid Unicode: {e.reason}", id_value)
+            return
+        except Exception as e:  # noqa: BLE001 - e.g. nested too deeply to write back out
+            yield _failed({"line": line[:1000]}, "unparseable", f"{type(e).__name__}: {e}", id_value)
             return
         yield row
 
 
+def _failed(row, reason: str, error: str, id_value=None):
+    return beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(row, id_value=id_value, reason=reason, error=error,
+                                                              stage="read"))
+
+
 class _ParseCsv(beam.DoFn):
     """A CSV file's rows as dicts keyed by its header; a row with the wrong number of
-    fields, or with bytes that are not UTF-8, becomes a failed row."""
+    fields, or with bytes that are not UTF-8, becomes a failed row (keeping its
+    `id_column` value where it can be read). A header that is not UTF-8 (refused at launch
+    for the files matched then) fails every row of its file."""
+
+    def __init__(self, id_column: str | None = None):
+        self._id_column = id_column
 
     def process(self, readable_file):
         # the whole file at once: quoted fields may hold newlines; bad bytes are kept as
         # surrogates so that one bad row does not stop the file
+        name = readable_file.metadata.path
         with readable_file.open() as f:
             text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
             reader = csv.reader(text)
             header = None
+            bad_header = False
             while True:
                 try:
                     fields = next(reader)
                 except StopIteration:
                     return
                 except csv.Error as e:
-                    yield self._failed({"line": reader.line_num}, "unparseable", f"line {reader.line_num}: {e}")
+                    yield _failed({"line": reader.line_num}, "unparseable", f"{name} line {reader.line_num}: {e}")
                     continue
                 if header is None:
-                    header = fields
+                    if not fields:  # blank lines before the header
+                        continue
+                    header, bad_header = fields, _has_surrogates(fields)
                     continue
                 if not fields:  # a blank line
                     continue
-                if _has_surrogates(fields):
-                    yield self._failed({"fields": [f.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-                                                   for f in fields]}, "undecodable",
-                                       f"line {reader.line_num}: bytes that are not UTF-8")
+                if bad_header:
+                    yield _failed({"fields": _readable(fields)}, "undecodable",
+                                  f"{name} line 1: the header has bytes that are not UTF-8")
+                elif _has_surrogates(fields):
+                    yield _failed({"fields": _readable(fields)}, "undecodable",
+                                  f"line {reader.line_num}: bytes that are not UTF-8", self._id_of(header, fields))
                 elif len(fields) != len(header):
-                    yield self._failed(dict(zip(header, fields)) | {"extra_fields": fields[len(header):]},
-                                       "unparseable", f"line {reader.line_num}: {len(fields)} fields, the header "
-                                       f"has {len(header)}")
+                    yield _failed(dict(zip(header, fields)) | {"extra_fields": fields[len(header):]},
+                                  "unparseable", f"line {reader.line_num}: {len(fields)} fields, the header "
+                                  f"has {len(header)}", self._id_of(header, fields))
                 else:
                     yield dict(zip(header, fields))
 
-    @staticmethod
-    def _failed(row, reason: str, error: str):
-        return beam.pvalue.TaggedOutput(FAILED_TAG, failed_record(row, reason=reason, error=error, stage="read"))
+    def _id_of(self, header, fields):
+        """The row's id, where its column is there and decodes."""
+        if self._id_column is None or self._id_column not in header:
+            return None
+        i = header.index(self._id_column)
+        if i >= len(fields) or _has_surrogates([fields[i]]):
+            return None
+        return fields[i]
+
+
+def _readable(fields) -> list[str]:
+    return [f.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for f in fields]
 
 
 def _has_surrogates(fields) -> bool:
@@ -163,10 +209,10 @@ def read_rows(p, options: PipelineOptions):
         return p | "ReadParquet" >> beam.io.ReadFromParquet(o.input), none
     if fmt == "csv":
         parsed = (p | "MatchCsv" >> fileio.MatchFiles(o.input) | "OpenCsv" >> fileio.ReadMatches()
-                  | "ParseCsv" >> beam.ParDo(_ParseCsv()).with_outputs(FAILED_TAG, main="rows"))
+                  | "ParseCsv" >> beam.ParDo(_ParseCsv(o.id_column)).with_outputs(FAILED_TAG, main="rows"))
         return parsed.rows, parsed[FAILED_TAG]
     parsed = (p | "ReadJsonl" >> beam.io.ReadFromText(o.input, coder=coders.BytesCoder())
-              | "ParseJsonl" >> beam.ParDo(_ParseJsonLines()).with_outputs(FAILED_TAG, main="rows"))
+              | "ParseJsonl" >> beam.ParDo(_ParseJsonLines(o.id_column)).with_outputs(FAILED_TAG, main="rows"))
     return parsed.rows, parsed[FAILED_TAG]
 
 
@@ -180,7 +226,12 @@ _BQ_TO_ARROW = {
 
 
 def input_schema(options: PipelineOptions) -> pa.Schema | None:
-    """The input's column types, where the source has a schema readable at launch."""
+    """The input's column types, where the source has a schema readable at launch (None for
+    JSONL, a query, or CSV files that are all empty).
+
+    Raises:
+        ValueError: a CSV header that is not UTF-8 (naming the file and line).
+    """
     o = options.view_as(ClassifyOptions)
     if o.input_table:
         return _bigquery_table_schema(o.input_table, options.view_as(GoogleCloudOptions).project)
@@ -189,31 +240,106 @@ def input_schema(options: PipelineOptions) -> pa.Schema | None:
         return None  # JSONL has no header: columns are known only row by row
     if not o.input:
         return pq.read_schema(SAMPLE_TICKETS)
+    if fmt == "csv":  # every CSV value is a string; the header names the columns
+        header = _csv_headers(o.input)
+        return None if header is None else pa.schema([pa.field(name, pa.string()) for name in header])
     with FileSystems.open(_first_match(o.input)) as f:
-        if fmt == "csv":  # every CSV value is a string; the header names the columns
-            return pa.schema([pa.field(name, pa.string()) for name in _csv_header(f)])
         return pq.read_schema(f)  # reads the footer only
+
+
+# JSONL columns are checked against the keys of this many first lines (a typo in a column
+# flag would otherwise give an all-null column or fail every row)
+SAMPLED_LINES = 1000
+
+
+def known_columns(options: PipelineOptions, schema: pa.Schema | None) -> tuple[list[str] | None, str]:
+    """The input's column names known at launch, and where they come from: the schema, or
+    for JSONL the keys of its first `SAMPLED_LINES` lines (None: not known, e.g. a query)."""
+    if schema is not None:
+        return list(schema.names), "input columns"
+    o = options.view_as(ClassifyOptions)
+    if o.input and input_format(options) == "jsonl":
+        names, lines = _jsonl_keys(o.input, SAMPLED_LINES)
+        if lines:
+            return names, f"keys of the first {lines} JSONL lines"
+    return None, ""
+
+
+def require_columns(options: PipelineOptions, schema: pa.Schema | None, wanted: dict[str, list[str]]) -> None:
+    """Refuse, at launch, flags that name columns the input lacks (`wanted`: flag -> columns)."""
+    known, where = known_columns(options, schema)
+    if known is None:
+        return
+    missing = {flag: [c for c in columns if c and c not in known] for flag, columns in wanted.items()}
+    missing = {flag: columns for flag, columns in missing.items() if columns}
+    if missing:
+        flags = "/".join(missing)
+        columns = list(dict.fromkeys(c for cs in missing.values() for c in cs))
+        raise ValueError(f"{flags} name columns the input lacks: {columns} ({where}: {known[:30]})")
 
 
 def _first_match(pattern: str) -> str:
     """The first file `pattern` matches; a clear error when it matches none."""
+    return _matches(pattern)[0]
+
+
+def _matches(pattern: str) -> list[str]:
     try:
         matches = FileSystems.match([pattern])[0].metadata_list
     except Exception as e:  # noqa: BLE001 - each filesystem raises its own kind
         raise ValueError(f"--input={pattern!r} cannot be listed: {e}") from e
     if not matches:
         raise ValueError(f"--input={pattern!r} matches no file")
-    return sorted(m.path for m in matches)[0]
+    return sorted(m.path for m in matches)
+
+
+def _csv_headers(pattern: str) -> list[str] | None:
+    """The header of the first CSV file that has one, after checking that every matched
+    file's header is UTF-8; None when every file is empty."""
+    first = None
+    for path in _matches(pattern):
+        with FileSystems.open(path) as f:
+            header = _csv_header(f)
+        if header and _has_surrogates(header):
+            bad = next(h for h in header if _has_surrogates([h]))
+            raise ValueError(f"--input: {path} line 1 (the CSV header) has bytes that are not UTF-8, in column "
+                             f"{_readable([bad])[0]!r}; re-encode the file as UTF-8")
+        if header and first is None:
+            first = header
+    return first
 
 
 def _csv_header(f) -> list[str]:
     text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
     try:
-        header = next(csv.reader(text), [])
+        header = next((fields for fields in csv.reader(text) if fields), [])
     except csv.Error:
         header = []
     text.detach()
-    return [name.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for name in header]
+    return header
+
+
+def _jsonl_keys(pattern: str, limit: int) -> tuple[list[str], int]:
+    """Keys of the JSON objects in the first `limit` non-blank lines of the matched files, in
+    first-seen order, and how many lines were read (lines that do not parse are skipped:
+    they fail as rows)."""
+    keys: dict[str, None] = {}
+    lines = 0
+    for path in _matches(pattern):
+        with FileSystems.open(path) as f:
+            for raw in f:
+                if lines >= limit:
+                    return list(keys), lines
+                if not raw.strip():
+                    continue
+                lines += 1
+                try:
+                    row = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
+                except Exception:  # noqa: BLE001 - a bad line fails as a row at run time
+                    continue
+                if isinstance(row, dict):
+                    keys.update(dict.fromkeys(k for k in row if isinstance(k, str)))
+    return list(keys), lines
 
 
 def _bigquery_table_schema(table: str, project: str | None) -> pa.Schema | None:
