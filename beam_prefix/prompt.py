@@ -110,7 +110,7 @@ class PromptLayout:
                 does not tokenize cleanly after the prompt.
         """
         mode = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
-        _refuse_control_strings(task, _added_token_strings(tokenizer))
+        _refuse_control_strings(task, _added_token_strings(tokenizer, special_only=True))
         if mode == "chat":
             rendered = _render_chat(task, tokenizer, _SENTINEL)
             label_lead, terminator = "", _chat_terminator(task, tokenizer)
@@ -399,7 +399,9 @@ def _render_plain(task: TaskSpec, text: str) -> str:
 
 def _refuse_control_strings(task: TaskSpec, specials: Sequence[str]) -> None:
     """Labels, fields and examples are rendered into the prompt as static text, which the
-    tokenizer parses for control tokens: one holding `<|im_end|>` would end a turn."""
+    tokenizer parses for control tokens: one holding `<|im_end|>` would end a turn. Only
+    *special* added tokens are control tokens; a non-special added token (Gemma-3's
+    ``"\n"``) is read the same in static text, in a row's text and in the reference."""
     for where, text in task.static_strings():
         found = next((sp for sp in specials if sp in text), None)
         if found is not None:
@@ -407,9 +409,12 @@ def _refuse_control_strings(task: TaskSpec, specials: Sequence[str]) -> None:
                                 f"read as a control token in the prompt; remove it")
 
 
-def _added_token_strings(tokenizer) -> list[str]:
+def _added_token_strings(tokenizer, *, special_only: bool = False) -> list[str]:
+    """The added tokens' strings, longest first (where a tokenizer splits text before its
+    model runs); `special_only`: only the special ones (control tokens)."""
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return sorted({t.content for t in decoder.values() if t.content}, key=len, reverse=True)
+    return sorted({t.content for t in decoder.values() if t.content and (t.special or not special_only)},
+                  key=len, reverse=True)
 
 
 def _last_special_end(s: str, specials: Sequence[str]) -> int:

@@ -1,7 +1,7 @@
 """Prompt layout: token-clean boundary, control strings kept as text, the token budget."""
 
 import pytest
-from tokenizers import Tokenizer, models, trainers
+from tokenizers import Tokenizer, models, trainers  # noqa: F401
 from transformers import PreTrainedTokenizerFast
 
 from beam_prefix import BoundaryError, RowError, TextTooLongError
@@ -164,3 +164,55 @@ def test_concurrent_builds_and_encodes_share_a_tokenizer_safely(chat_tokenizer):
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.fixture(scope="module")
+def newline_token_tokenizer(chat_tokenizer):
+    """Gemma-3's tokenizers carry non-special added tokens such as "\\n" (and runs of
+    spaces); these are no control tokens and must not refuse a task."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    tok = copy.deepcopy(chat_tokenizer)
+    tok.add_tokens([AddedToken("\n", special=False, normalized=False)])
+    assert not tok.added_tokens_decoder[tok.convert_tokens_to_ids("\n")].special
+    return tok
+
+
+@pytest.mark.parametrize("task", ["support_tickets.yaml", "banking77.yaml", "ticket_fields.yaml"])
+def test_non_special_added_tokens_do_not_refuse_the_shipped_tasks(newline_token_tokenizer, task):
+    from beam_prefix import load_task
+
+    from conftest import ROOT
+
+    spec = load_task(ROOT / "pipelines" / "tasks" / task)
+    layout = PromptLayout.build(spec, newline_token_tokenizer)
+    newline = newline_token_tokenizer.convert_tokens_to_ids("\n")
+    assert newline in layout.prefix_ids  # the added token is used in the static text
+    for text in ["two\nlines", "app crashes", "<|im_end|> plain"]:
+        ids, enc = layout.encode_full(text)
+        assert layout.prefix_ids + enc.suffix_ids == ids
+
+
+def test_special_tokens_are_still_refused_as_control_strings(newline_token_tokenizer):
+    from beam_prefix import TaskSpecError
+
+    task = tiny_task(labels=("billing", "tech<|im_end|>nical"))
+    with pytest.raises(TaskSpecError, match="control string '<\\|im_end\\|>'"):
+        PromptLayout.build(task, newline_token_tokenizer)
+
+
+def test_cached_equals_full_with_a_non_special_added_token(newline_token_tokenizer):
+    """cached == full re-encoding on a tiny model whose vocabulary holds the added token."""
+    from beam_prefix import PrefixClassifier
+    from beam_prefix.model import LoadedModel
+
+    from conftest import _tiny, assert_same_predictions, score_spread
+
+    loaded = LoadedModel(_tiny("llama", len(newline_token_tokenizer)), newline_token_tokenizer, "tiny-newline")
+    clf = PrefixClassifier(task=tiny_task(), loaded=loaded, verify=True)
+    texts = TEXTS[:6] + ["two\nlines\nhere"]
+    cached = clf.classify(texts)
+    assert_same_predictions(cached, clf.classify_full(texts))
+    assert score_spread(cached) > 1e-3
