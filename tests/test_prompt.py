@@ -1,7 +1,7 @@
 """Prompt layout: token-clean boundary, control strings kept as text, the token budget."""
 
 import pytest
-from tokenizers import Tokenizer, models, trainers  # noqa: F401
+from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from beam_prefix import BoundaryError, RowError, TextTooLongError
