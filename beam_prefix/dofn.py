@@ -14,6 +14,7 @@ reason and a stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -33,7 +34,7 @@ from beam_prefix.model import EMBEDDED, LoadedModel, load_model
 from beam_prefix.task import TaskSpec
 
 __all__ = ["PrefixCachedClassifyDoFn", "PrefixStepDoFn", "StepConfig", "ClassifyConfig", "FAILED_TAG",
-           "LABELED_TAG", "prob_column", "TOP_K_COLUMN", "PROB_COLUMNS_MAX_LABELS"]
+           "LABELED_TAG", "prob_column", "TOP_K_COLUMN", "PROB_COLUMNS_MAX_LABELS", "METADATA_COLUMNS"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ LABELED_TAG = "labeled"
 FAILED_TAG = "failed"
 # the optional list<struct{label, score}> column of the `top_k` best labels
 TOP_K_COLUMN = "top_k"
+# columns that say how a row was produced, not what was found in it (see StepConfig.metadata_prefix)
+METADATA_COLUMNS = ("truncated", "task", "task_version", "prompt_fingerprint", "model")
 # per-label `prob_*` columns are on by default for tasks with at most this many labels
 PROB_COLUMNS_MAX_LABELS = 32
 
@@ -74,7 +77,15 @@ class StepConfig:
             here when named in `keep_columns`, per row (reason ``column_clash``) otherwise.
         max_prefix_cache_mb: the bound of the worker process's prefix pool
             (`beam_prefix.prefix_pool`).
+        metadata_prefix: a prefix for this step's metadata columns (`METADATA_COLUMNS`:
+            ``truncated``, ``task``, ``task_version``, ``prompt_fingerprint``, ``model``).
+            None (default): no prefix, unless the input rows already carry such columns
+            (an earlier prefix-cached step's, e.g. ``ClassifyText`` then ``ExtractFields``):
+            then `DEFAULT_PREFIX` of the step's kind (``classify_``, ``extract_``), so no
+            input column is overwritten and each metadata column names its step.
     """
+
+    DEFAULT_PREFIX = "step_"  # each kind of step has its own
 
     task: Any
     model: str = EMBEDDED
@@ -86,10 +97,14 @@ class StepConfig:
     verify: bool = True
     keep_columns: tuple[str, ...] | None = None
     max_prefix_cache_mb: float = DEFAULT_MAX_PREFIX_CACHE_MB
+    metadata_prefix: str | None = None
 
     def __post_init__(self):
         if not self.text_column:
             raise ValueError("text_column must be a column name")
+        if self.metadata_prefix is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", self.metadata_prefix):
+            raise ValueError(f"metadata_prefix must be letters, digits or '_' (not starting with a digit), "
+                             f"got {self.metadata_prefix!r}")
         if self.keep_columns is not None:
             if isinstance(self.keep_columns, str) or not all(isinstance(c, str) for c in self.keep_columns):
                 raise ValueError(f"keep_columns must be a sequence of column names, got {self.keep_columns!r}")
@@ -106,7 +121,30 @@ class StepConfig:
 
     @property
     def output_columns(self) -> list[str]:
+        """The columns this step adds to each row, in order (metadata ones prefixed)."""
+        return [self.column(name) for name in self.added_columns()]
+
+    def added_columns(self) -> list[str]:
+        """The columns this step adds, unprefixed."""
         raise NotImplementedError
+
+    def column(self, name: str) -> str:
+        """The output name of added column `name` (a metadata column gets the prefix)."""
+        return (self.metadata_prefix or "") + name if name in METADATA_COLUMNS else name
+
+    def for_input(self, columns) -> "StepConfig":
+        """This config for input rows with `columns`: with `DEFAULT_PREFIX` when they already
+        hold metadata columns this step would write, no prefix was given and every input
+        column is copied."""
+        if self.metadata_prefix is not None or self.keep_columns is not None:
+            return self
+        if not any(name in columns for name in METADATA_COLUMNS):
+            return self
+        return self._prefixed
+
+    @functools.cached_property
+    def _prefixed(self) -> "StepConfig":  # built once per config (per row otherwise)
+        return dataclasses.replace(self, metadata_prefix=self.DEFAULT_PREFIX)
 
     def build_engine(self, loaded: LoadedModel):
         """The task's engine over `loaded` (prefix built and self-checked): built once per
@@ -136,6 +174,8 @@ class ClassifyConfig(StepConfig):
             ``task`` and ``task_version`` columns; see `beam_prefix.routing`).
     """
 
+    DEFAULT_PREFIX = "classify_"
+
     task: TaskSpec = None  # type: ignore[assignment]  (required: checked below)
     top_k: int | None = None
     prob_columns: bool | None = None
@@ -156,9 +196,8 @@ class ClassifyConfig(StepConfig):
             object.__setattr__(self, "top_k", None)
         super().__post_init__()
 
-    @property
-    def output_columns(self) -> list[str]:
-        """The columns classification adds to each labelled row, in order."""
+    def added_columns(self) -> list[str]:
+        """The columns classification adds to each labelled row, in order (unprefixed)."""
         probs = [prob_column(n) for n in self.task.label_names] if self.prob_columns else []
         top = [TOP_K_COLUMN] if self.top_k else []
         task = ["task"] if self.route is not None else []
@@ -269,14 +308,14 @@ class PrefixStepDoFn(beam.DoFn):
         fork of the task's engine) and the task's `config`."""
         for report in self._holder.take_startup():
             self._metrics.report_startup(report)
-        good, encoded = [], []  # good: (row, its timestamp or None)
+        good, encoded = [], []  # good: (row, its timestamp or None, the config for its columns)
         for element in batch:
             element, ts = _unstamp(element)
             row = _as_dict(element, config.text_column)
             try:
-                _check_columns(config, row)
+                row_config = _row_config(config, row)
                 encoded.append(engine.encode(_text_of(config, row)))
-                good.append((row, ts))
+                good.append((row, ts, row_config))
             except RowError as e:
                 yield self._failed(config, row, e.reason, str(e), "validate", ts)
             except Exception as e:  # whatever else one row raises fails that row, not the bundle
@@ -299,14 +338,14 @@ class PrefixStepDoFn(beam.DoFn):
         elapsed = time.perf_counter() - start
         self._metrics.batch_size.update(len(good))
         self._metrics.batch_latency.update(int(elapsed * 1e6))
-        for (row, ts), result in zip(good, results):
+        for (row, ts, row_config), result in zip(good, results):
             if isinstance(result, Exception):
                 yield self._failed(config, row, "model_error", f"{type(result).__name__}: {result}", "model", ts)
                 continue
             self._metrics.prefix_tokens_reused.inc(engine.prefix_length)
             if result.truncated:
                 self._metrics.rows_truncated.inc()
-            yield from self._emit(engine, config, row, result, ts)
+            yield from self._emit(engine, row_config, row, result, ts)
         self._progress.add(sum(not isinstance(r, Exception) for r in results), elapsed)
 
     def teardown(self):
@@ -347,13 +386,18 @@ def failed_record(row, *, id_value=None, reason: str, error: str, stage: str) ->
     return {"row": row, "id": id_value, "reason": reason, "error": error, "stage": stage}
 
 
-def _check_columns(config: ClassifyConfig, row: Mapping[str, Any]) -> None:
-    if config.keep_columns is None:  # the whole row is copied: nothing may be overwritten
-        clash = config.clashing(row)
-        if clash:
-            raise RowError(f"input columns {clash[:10]} would be overwritten by the output columns of "
-                           f"the same name; rename them, or pass keep_columns without them",
-                           reason="column_clash")
+def _row_config(config: StepConfig, row: Mapping[str, Any]) -> StepConfig:
+    """The config for one dict row's columns (`StepConfig.for_input`); a row whose copied
+    columns an output column would still overwrite fails with ``column_clash``."""
+    if config.keep_columns is not None:
+        return config
+    config = config.for_input(row)  # the whole row is copied: nothing may be overwritten
+    clash = config.clashing(row)
+    if clash:
+        raise RowError(f"input columns {clash[:10]} would be overwritten by the output columns of "
+                       f"the same name; rename them, or pass keep_columns without them",
+                       reason="column_clash")
+    return config
 
 
 def _text_of(config: ClassifyConfig, row: Mapping[str, Any]):
@@ -374,13 +418,13 @@ def _labeled(clf: PrefixClassifier, config: ClassifyConfig, row: dict, pred) -> 
             out[prob_column(name)] = pred.scores[name]
     if config.top_k:
         out[TOP_K_COLUMN] = [{"label": label, "score": score} for label, score in pred.top(config.top_k)]
-    out["truncated"] = pred.truncated
+    out[config.column("truncated")] = pred.truncated
     if config.route is not None:
-        out["task"] = config.route
+        out[config.column("task")] = config.route
     if config.route is not None or config.task.version is not None:
-        out["task_version"] = config.task.version
-    out["prompt_fingerprint"] = clf.fingerprint
-    out["model"] = clf.model_id
+        out[config.column("task_version")] = config.task.version
+    out[config.column("prompt_fingerprint")] = clf.fingerprint
+    out[config.column("model")] = clf.model_id
     return out
 
 

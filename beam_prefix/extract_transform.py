@@ -45,6 +45,8 @@ _PYTHON_TYPES = {"string": str, "enum": str, "date": str, "integer": int, "numbe
 class ExtractConfig(StepConfig):
     """An extraction step's settings (those of `StepConfig`)."""
 
+    DEFAULT_PREFIX = "extract_"
+
     task: ExtractionSpec = None  # type: ignore[assignment]  (required: checked below)
 
     def __post_init__(self):
@@ -52,9 +54,8 @@ class ExtractConfig(StepConfig):
             raise ValueError(f"ExtractConfig needs an extraction task (kind: extract), got {type(self.task).__name__}")
         super().__post_init__()
 
-    @property
-    def output_columns(self) -> list[str]:
-        """The columns extraction adds to each row, in order."""
+    def added_columns(self) -> list[str]:
+        """The columns extraction adds to each row, in order (unprefixed)."""
         version = ["task_version"] if self.task.version is not None else []
         return [*self.task.field_names, "raw_output", "truncated", *version, "prompt_fingerprint", "model"]
 
@@ -92,11 +93,11 @@ class ExtractFieldsDoFn(PrefixStepDoFn):
         out = dict(row) if keep is None else {c: row.get(c) for c in keep}
         out.update(result.values)
         out["raw_output"] = result.raw_output
-        out["truncated"] = result.truncated
+        out[config.column("truncated")] = result.truncated
         if config.task.version is not None:
-            out["task_version"] = config.task.version
-        out["prompt_fingerprint"] = extractor.fingerprint
-        out["model"] = extractor.model_id
+            out[config.column("task_version")] = config.task.version
+        out[config.column("prompt_fingerprint")] = extractor.fingerprint
+        out[config.column("model")] = extractor.model_id
         self._extracted.inc()
         yield _stamp(out, timestamp)
 
@@ -106,10 +107,10 @@ def extracted_type(config: ExtractConfig, fields) -> RowTypeConstraint:
     fields = kept_fields(config, fields)
     added = [(f.name, Optional[_PYTHON_TYPES[f.type]] if f.nullable else _PYTHON_TYPES[f.type])
              for f in config.task.fields]
-    added += [("raw_output", str), ("truncated", bool)]
+    added += [("raw_output", str), (config.column("truncated"), bool)]
     if config.task.version is not None:
-        added.append(("task_version", str))
-    added += [("prompt_fingerprint", str), ("model", str)]
+        added.append((config.column("task_version"), str))
+    added += [(config.column("prompt_fingerprint"), str), (config.column("model"), str)]
     return RowTypeConstraint.from_fields(list(fields) + added)
 
 
@@ -124,8 +125,13 @@ class ExtractFields(beam.PTransform):
         text_column, id_column, dtype, threads, verify, keep_columns: as for `ClassifyText`.
         batch_size: rows decoded together (default 64).
         min_batch_size, max_batch_size, max_batch_duration_secs: `beam.BatchElements`
-            settings, as for `ClassifyText`.
+            settings, as for `ClassifyText`, except that `min_batch_size` defaults to
+            `batch_size` (decoding wants full batches from the first one).
         max_text_tokens, overflow, max_new_tokens: override the task's settings.
+        metadata_prefix: a prefix for the metadata columns (``truncated``,
+            ``task_version``, ``prompt_fingerprint``, ``model``). Default: none, unless the
+            input already has such columns (``ClassifyText``'s labelled rows): then
+            ``extract_``, so ExtractFields chains after ClassifyText with no arguments.
 
     Returns:
         an `ExtractResult` with ``extracted`` and ``failed`` (attributes or keys); each
@@ -138,7 +144,8 @@ class ExtractFields(beam.PTransform):
                  threads: int | None = None, min_batch_size: int | None = None, max_batch_size: int | None = None,
                  max_batch_duration_secs: float | None = None, batch_size: int = 64,
                  max_text_tokens: int | None = None, overflow: str | None = None, max_new_tokens: int | None = None,
-                 verify: bool = True, keep_columns=None, label: str | None = None):
+                 verify: bool = True, keep_columns=None, metadata_prefix: str | None = None,
+                 label: str | None = None):
         super().__init__(label)
         spec = task if isinstance(task, ExtractionSpec) else load_task(task)
         if not isinstance(spec, ExtractionSpec):
@@ -150,8 +157,10 @@ class ExtractFields(beam.PTransform):
             spec = spec.replace(**changes)
         self._config = ExtractConfig(task=spec, model=model or spec.model or EMBEDDED, text_column=text_column,
                                      id_column=id_column, dtype=dtype, threads=threads, batch_size=batch_size,
-                                     verify=verify, keep_columns=None if keep_columns is None else tuple(keep_columns))
-        self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs)
+                                     verify=verify, keep_columns=None if keep_columns is None else tuple(keep_columns),
+                                     metadata_prefix=metadata_prefix)
+        self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs,
+                                       start_full=True)
 
     @property
     def config(self) -> ExtractConfig:
@@ -159,11 +168,14 @@ class ExtractFields(beam.PTransform):
 
     def expand(self, rows):
         fields = input_fields(rows.element_type)
-        extracted, failed = batched_step(rows, ExtractFieldsDoFn(self._config, step_name=self.label),
+        # an earlier step's metadata columns (ClassifyText's) get this step's prefix beside them
+        config = self._config.for_input([name for name, _ in fields or ()])
+        extracted, failed = batched_step(rows, ExtractFieldsDoFn(config, step_name=self.label),
                                          main=EXTRACTED_TAG, label=self.label, step="Extract", **self._batching)
+        records = failed
         if fields:  # schema'd input: schema'd outputs
-            extracted, failed = as_rows(extracted, failed, extracted_type(self._config, fields), "ExtractedRows")
-        return ExtractResult(extracted=extracted, failed=failed)
+            extracted, failed = as_rows(extracted, failed, extracted_type(config, fields), "ExtractedRows")
+        return ExtractResult(extracted=extracted, failed=failed, _records=records)
 
 
 class ExtractResult(ClassifyResult):

@@ -94,6 +94,10 @@ class TaskRoutes:
                         for key, spec in sorted(tasks.items()))
         return cls(column=column, configs=configs)
 
+    def for_input(self, columns) -> "TaskRoutes":
+        """Every task's config for input rows with `columns` (`StepConfig.for_input`)."""
+        return dataclasses.replace(self, configs=tuple((k, c.for_input(columns)) for k, c in self.configs))
+
     @property
     def mapping(self) -> dict[str, ClassifyConfig]:
         return dict(self.configs)

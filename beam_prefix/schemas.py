@@ -35,11 +35,37 @@ FAILED_TYPE = RowTypeConstraint.from_fields([
 
 
 def input_fields(element_type) -> list[tuple[str, Any]] | None:
-    """(name, type) of each field of a schema'd element type; None without a schema."""
+    """(name, type) of each field of a schema'd element type; None without a schema.
+
+    A NamedTuple class written under ``from __future__ import annotations`` has string
+    annotations, which Beam reads as ``Any``: they are resolved here (`typing.get_type_hints`).
+
+    Raises:
+        ValueError: such annotations that cannot be resolved (a name not visible from the
+            class's module), with what to do.
+    """
+    hints = _named_tuple_hints(element_type)
+    if hints is not None:
+        return [(name, hints[name]) for name in element_type._fields]
     try:
         return list(schemas.named_fields_from_element_type(element_type))
     except Exception:  # noqa: BLE001 - Any, dict, str...: no schema
         return None
+
+
+def _named_tuple_hints(element_type) -> dict | None:
+    """The resolved annotations of a NamedTuple class whose annotations are strings, else None."""
+    annotations = getattr(element_type, "__annotations__", None)
+    if not (isinstance(element_type, type) and issubclass(element_type, tuple) and hasattr(element_type, "_fields")
+            and annotations and any(isinstance(a, (str, typing.ForwardRef)) for a in annotations.values())):
+        return None
+    try:
+        return typing.get_type_hints(element_type)
+    except Exception as e:  # noqa: BLE001 - NameError and friends
+        raise ValueError(
+            f"the fields of NamedTuple {element_type.__name__} are annotated with strings (from __future__ import "
+            f"annotations) that cannot be resolved ({type(e).__name__}: {e}); define it where those names are "
+            f"visible, or as typing.NamedTuple({element_type.__name__!r}, [(name, type), ...])") from None
 
 
 def kept_fields(config, fields: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -59,18 +85,26 @@ def labeled_type(config, fields: Sequence[tuple[str, Any]]) -> RowTypeConstraint
     added = {"label": str, "score": float, "truncated": bool, "prompt_fingerprint": str, "model": str,
              "top_k": typing.List[TOP_K_ENTRY], "task": str, "task_version": Optional[str]}
     return RowTypeConstraint.from_fields(
-        list(fields) + [(name, added.get(name, float)) for name in config.output_columns])  # prob_*: float
+        list(fields) + [(config.column(name), added.get(name, float))  # prob_*: float
+                        for name in config.added_columns()])
 
 
 class ToRow:
-    """A labelled dict -> a `beam.Row` of the given type's fields, in order."""
+    """A step's output dict -> a `beam.Row` of the given type's fields, in order.
 
-    def __init__(self, row_type: RowTypeConstraint):
+    Args:
+        row_type: the output row type.
+        top_k: the step wrote its own ``top_k`` column (a list of dicts, made Rows here); an
+            input column of that name (an earlier step's, already Rows) is left as it is.
+    """
+
+    def __init__(self, row_type: RowTypeConstraint, *, top_k: bool = False):
         self._names = [name for name, _ in row_type._fields]
+        self._top_k = top_k
 
     def __call__(self, row: dict) -> beam.Row:
         values = {name: row.get(name) for name in self._names}
-        if values.get("top_k") is not None:
+        if self._top_k and values.get("top_k") is not None:
             values["top_k"] = [beam.Row(label=e["label"], score=e["score"]) for e in values["top_k"]]
         return beam.Row(**values)
 

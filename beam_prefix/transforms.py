@@ -65,6 +65,9 @@ class ClassifyText(beam.PTransform):
             columns that output columns would overwrite (``label``, ``score``, ...) are
             refused: a `ValueError` here when named in `keep_columns` or declared by the
             input's schema, else a failed row with reason ``column_clash``.
+        metadata_prefix: a prefix for the metadata columns (``truncated``, ``task``,
+            ``task_version``, ``prompt_fingerprint``, ``model``). Default: none, unless the
+            input already has such columns (an earlier step's): then ``classify_``.
 
     Returns:
         a `ClassifyResult`: ``labeled`` and ``failed`` PCollections (as attributes or
@@ -82,7 +85,7 @@ class ClassifyText(beam.PTransform):
                  label_tolerance: float | None = None, top_k: int | None = None,
                  prob_columns: bool | None = None, keep_columns=None, max_batch_duration_secs: float | None = None,
                  tasks=None, task_column: str | None = None, max_prefix_cache_mb: float | None = None,
-                 label: str | None = None):
+                 metadata_prefix: str | None = None, label: str | None = None):
         super().__init__(label)
         if (task is None) == (tasks is None):
             raise ValueError("give either task (one prompt) or tasks with task_column (a prompt per row)")
@@ -106,7 +109,8 @@ class ClassifyText(beam.PTransform):
         base = dict(model=model, text_column=text_column, id_column=id_column, dtype=dtype, threads=threads,
                     batch_size=batch_size, verify=verify, top_k=top_k, prob_columns=prob_columns,
                     keep_columns=None if keep_columns is None else tuple(keep_columns),
-                    max_prefix_cache_mb=max_prefix_cache_mb or DEFAULT_MAX_PREFIX_CACHE_MB)
+                    max_prefix_cache_mb=max_prefix_cache_mb or DEFAULT_MAX_PREFIX_CACHE_MB,
+                    metadata_prefix=metadata_prefix)
         self._routes = TaskRoutes.build(specs, task_column, dict(base)) if tasks is not None else None
         # one task: its config; routed: the first task's (same columns and settings as every task's)
         self._config = ClassifyConfig(task=task, **base) if self._routes is None else self._routes.configs[0][1]
@@ -122,14 +126,19 @@ class ClassifyText(beam.PTransform):
 
     def expand(self, rows):
         fields = input_fields(rows.element_type)
-        if self._routes is None:
-            labeled, failed = batched_step(rows, PrefixCachedClassifyDoFn(self._config, step_name=self.label),
+        names = [name for name, _ in fields or ()]
+        # schema'd input: an earlier step's metadata columns are known now (dict rows: per row)
+        config = self._config.for_input(names)
+        routes = self._routes.for_input(names) if self._routes is not None else None
+        if routes is None:
+            labeled, failed = batched_step(rows, PrefixCachedClassifyDoFn(config, step_name=self.label),
                                            main=LABELED_TAG, label=self.label, step="Classify", **self._batching)
         else:  # grouped by task before batching: each forward pass runs over one prefix
-            _refuse_clashing_fields(self._config, fields, self.label)
+            config = routes.configs[0][1]
+            _refuse_clashing_fields(config, fields, self.label)
             batching = {k: v for k, v in self._batching.items() if v is not None}
             stamped = rows | "KeepTimestamps" >> beam.Map(_stamped)
-            keyed = stamped | "KeyByTask" >> beam.ParDo(KeyByTask(self._routes)).with_output_types(
+            keyed = stamped | "KeyByTask" >> beam.ParDo(KeyByTask(routes)).with_output_types(
                 typing.Tuple[typing.Tuple[str, int], typing.Any]).with_outputs(FAILED_TAG, main="keyed")
             if rows.pipeline.options.view_as(StandardOptions).streaming:
                 # per bundle, rows grouped by task inside each Beam batch: stateful batching
@@ -139,25 +148,31 @@ class ClassifyText(beam.PTransform):
                 batched = keyed.keyed | "BatchPerTask" >> beam.ParDo(BatchPerTask(self._batching["max_batch_size"]))
             classified = (
                 batched
-                | "Classify" >> beam.ParDo(RoutedClassifyDoFn(self._routes, step_name=self.label))
+                | "Classify" >> beam.ParDo(RoutedClassifyDoFn(routes, step_name=self.label))
                 .with_outputs(FAILED_TAG, main=LABELED_TAG))
             labeled = classified[LABELED_TAG]
             failed = (keyed[FAILED_TAG], classified[FAILED_TAG]) | "AllFailed" >> beam.Flatten()
+        records = failed
         if fields:  # schema'd input: schema'd outputs (beam_prefix.schemas)
-            labeled, failed = as_rows(labeled, failed, labeled_type(self._config, fields), "LabeledRows")
-        return ClassifyResult(labeled=labeled, failed=failed)
+            labeled, failed = as_rows(labeled, failed, labeled_type(config, fields), "LabeledRows",
+                                      top_k=bool(config.top_k))
+        return ClassifyResult(labeled=labeled, failed=failed, _records=records)
 
 
 def batching_args(batch_size: int, min_batch_size: int | None, max_batch_size: int | None,
-                  max_batch_duration_secs: float | None) -> dict:
-    """`beam.BatchElements` settings for a step running `batch_size` rows per forward pass."""
+                  max_batch_duration_secs: float | None, *, start_full: bool = False) -> dict:
+    """`beam.BatchElements` settings for a step running `batch_size` rows per forward pass.
+
+    `start_full`: Beam batches start at `batch_size` rows (default min: 8). Decoding
+    (extraction) wants full batches from the first: a decode step of 64 rows costs little
+    more than one of 8, and BatchElements would otherwise grow from 8 over many batches."""
     if max_batch_size is None:
         # several forward batches per Beam batch: fewer per-batch costs, and on the
         # expanded-cache path (non-sdpa models, which pad) a length-sorted Beam batch
         # groups similar lengths into each forward pass
         max_batch_size = max(64, 4 * batch_size, min_batch_size or 1)
     if min_batch_size is None:
-        min_batch_size = min(8, max_batch_size)
+        min_batch_size = min(batch_size if start_full else 8, max_batch_size)
     if not 1 <= min_batch_size <= max_batch_size:
         raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
     return dict(min_batch_size=min_batch_size, max_batch_size=max_batch_size,
@@ -179,9 +194,10 @@ def batched_step(rows, dofn, *, main: str, label: str, step: str, min_batch_size
     return outputs[main], outputs[FAILED_TAG]
 
 
-def as_rows(main, failed, row_type, name: str):
-    """A step's dict outputs as schema'd rows: `main` of `row_type`, `failed` of `FAILED_TYPE`."""
-    main = main | name >> beam.Map(ToRow(row_type)).with_output_types(row_type)
+def as_rows(main, failed, row_type, name: str, *, top_k: bool = False):
+    """A step's dict outputs as schema'd rows: `main` of `row_type`, `failed` of `FAILED_TYPE`
+    (`top_k`: the step wrote its own ``top_k`` column, see `schemas.ToRow`)."""
+    main = main | name >> beam.Map(ToRow(row_type, top_k=top_k)).with_output_types(row_type)
     failed = failed | "FailedRows" >> beam.Map(failed_row).with_output_types(FAILED_TYPE)
     return main, failed
 
@@ -201,7 +217,15 @@ def _refuse_clashing_fields(config, fields, label: str) -> None:
 
 class ClassifyResult(dict):
     """`ClassifyText`'s outputs: ``result.labeled`` / ``result["labeled"]`` and
-    ``result.failed`` / ``result["failed"]`` (a dict, as Beam YAML expects)."""
+    ``result.failed`` / ``result["failed"]`` (a dict, as Beam YAML expects).
+
+    `failed_records` (an attribute, not an output) holds the failed rows before any
+    schema: ``{"row": <the input row's fields, nested values as they came>, ...}``; Beam
+    YAML's error output is built from it, so nested fields pass through unchanged."""
+
+    def __init__(self, *, _records=None, **outputs):
+        super().__init__(**outputs)
+        self.failed_records = _records
 
     def __getattr__(self, name):
         try:

@@ -22,8 +22,17 @@ outputs ``ExtractFields.extracted`` and ``ExtractFields.failed`` (example:
 ``pipelines/yaml/extract_ticket_fields.yaml``).
 
 With Beam YAML's ``error_handling: {output: NAME}``, output NAME carries the failed rows
-in YAML's standard error format (``element``: the input row, ``msg``: reason and error,
-``stack``: the stage), beside ``failed``.
+in YAML's standard error format (``element``: the input row, nested fields as they came,
+``msg``: reason and error, ``stack``: the stage) *instead of* ``failed``: the step then
+has two outputs, its main one and NAME, as Beam's own YAML transforms with error handling
+do, so in a ``type: chain`` the next transform reads the main output (``labeled`` or
+``extracted``) and NAME is consumed in the chain's ``extra_transforms``
+(``pipelines/yaml/classify_then_extract_chain.yaml``). Without ``error_handling`` the
+outputs are the main one and ``failed`` (name them: ``ClassifyText.labeled``).
+
+Chained steps (``ClassifyText`` then ``ExtractFields`` on its labelled rows) need no extra
+arguments: the second step's metadata columns (``truncated``, ``prompt_fingerprint``,
+``model``, ...) get its prefix (``extract_``) beside the first's (`metadata_prefix`).
 """
 
 from __future__ import annotations
@@ -52,10 +61,10 @@ class ClassifyText(beam.PTransform):
         prob_columns: one ``prob_<label>`` column per label (default: up to 32 labels).
         batch_size: rows per forward pass.
         max_batch_duration_secs: buffer rows across bundles this long (streaming).
-        calibration, label_search, max_text_tokens, overflow, dtype, verify: as in the
-            task file / `beam_prefix.transforms.ClassifyText`.
-        error_handling: Beam YAML's ``{output: NAME}``: failed rows also go to NAME in
-            YAML's error format.
+        calibration, label_search, max_text_tokens, overflow, dtype, verify,
+            metadata_prefix: as in the task file / `beam_prefix.transforms.ClassifyText`.
+        error_handling: Beam YAML's ``{output: NAME}``: failed rows go to NAME in YAML's
+            error format (instead of ``failed``).
     """
 
     def __init__(self, task: str, model: Optional[str] = None, text_column: str = "text",
@@ -64,18 +73,18 @@ class ClassifyText(beam.PTransform):
                  max_batch_duration_secs: Optional[float] = None, calibration: Optional[bool] = None,
                  label_search: Optional[str] = None, max_text_tokens: Optional[int] = None,
                  overflow: Optional[str] = None, dtype: str = "float32", verify: bool = True,
-                 error_handling: Optional[Mapping[str, Any]] = None):
+                 metadata_prefix: Optional[str] = None, error_handling: Optional[Mapping[str, Any]] = None):
         super().__init__()
         self._classify = _ClassifyText(
             task=task, model=model, text_column=text_column, id_column=id_column, keep_columns=keep_columns,
             top_k=top_k, prob_columns=prob_columns, batch_size=batch_size,
             max_batch_duration_secs=max_batch_duration_secs, calibration=calibration, label_search=label_search,
-            max_text_tokens=max_text_tokens, overflow=overflow, dtype=dtype, verify=verify)
+            max_text_tokens=max_text_tokens, overflow=overflow, dtype=dtype, verify=verify,
+            metadata_prefix=metadata_prefix)
         self._error_output = _error_output(error_handling)
 
     def expand(self, rows):
-        result = rows | "ClassifyText" >> self._classify
-        return _outputs(rows, {"labeled": result.labeled, "failed": result.failed}, self._error_output)
+        return _outputs(rows, rows | "ClassifyText" >> self._classify, "labeled", self._error_output)
 
 
 class ExtractFields(beam.PTransform):
@@ -87,6 +96,7 @@ class ExtractFields(beam.PTransform):
         text_column, id_column, keep_columns, batch_size, max_batch_duration_secs,
             max_text_tokens, overflow, dtype, verify: as for `ClassifyText` here.
         max_new_tokens: override the task's output budget.
+        metadata_prefix: as for `beam_prefix.extract_transform.ExtractFields`.
         error_handling: Beam YAML's ``{output: NAME}``, as for `ClassifyText` here.
     """
 
@@ -94,17 +104,18 @@ class ExtractFields(beam.PTransform):
                  id_column: Optional[str] = None, keep_columns: Optional[list] = None, batch_size: int = 64,
                  max_batch_duration_secs: Optional[float] = None, max_new_tokens: Optional[int] = None,
                  max_text_tokens: Optional[int] = None, overflow: Optional[str] = None, dtype: str = "float32",
-                 verify: bool = True, error_handling: Optional[Mapping[str, Any]] = None):
+                 verify: bool = True, metadata_prefix: Optional[str] = None,
+                 error_handling: Optional[Mapping[str, Any]] = None):
         super().__init__()
         self._extract = _ExtractFields(
             task=task, model=model, text_column=text_column, id_column=id_column, keep_columns=keep_columns,
             batch_size=batch_size, max_batch_duration_secs=max_batch_duration_secs, max_new_tokens=max_new_tokens,
-            max_text_tokens=max_text_tokens, overflow=overflow, dtype=dtype, verify=verify)
+            max_text_tokens=max_text_tokens, overflow=overflow, dtype=dtype, verify=verify,
+            metadata_prefix=metadata_prefix)
         self._error_output = _error_output(error_handling)
 
     def expand(self, rows):
-        result = rows | "ExtractFields" >> self._extract
-        return _outputs(rows, {"extracted": result.extracted, "failed": result.failed}, self._error_output)
+        return _outputs(rows, rows | "ExtractFields" >> self._extract, "extracted", self._error_output)
 
 
 def _error_output(error_handling: Optional[Mapping[str, Any]]) -> Optional[str]:
@@ -113,26 +124,24 @@ def _error_output(error_handling: Optional[Mapping[str, Any]]) -> Optional[str]:
     return error_handling["output"] if error_handling else None
 
 
-def _outputs(rows, outputs: dict, error_output: Optional[str]) -> dict:
-    """The step's outputs, plus the failed rows in YAML's error format under `error_output`."""
-    if error_output:
-        element_type = rows.element_type
-        outputs[error_output] = outputs["failed"] | "ToYamlErrors" >> beam.Map(
-            _yaml_error, _field_names(element_type)).with_output_types(
-                RowTypeConstraint.from_fields([("element", element_type), ("msg", str), ("stack", str)]))
-    return outputs
+def _outputs(rows, result, main: str, error_output: Optional[str]) -> dict:
+    """The step's main output and ``failed``; with `error_output`, the main output and the
+    failed rows in YAML's error format under that name instead."""
+    if not error_output:
+        return {main: result[main], "failed": result.failed}
+    errors = result.failed_records | "ToYamlErrors" >> beam.Map(_yaml_error, _field_names(rows.element_type)) \
+        .with_output_types(RowTypeConstraint.from_fields([("element", rows.element_type), ("msg", str),
+                                                          ("stack", str)]))
+    return {main: result[main], error_output: errors}
 
 
 def _field_names(element_type) -> list[str]:
     return [name for name, _ in getattr(element_type, "_fields", [])]
 
 
-def _yaml_error(failed: beam.Row, names: list[str]) -> beam.Row:
-    import json
-
-    try:
-        row = json.loads(failed.row)
-    except ValueError:
-        row = {}
-    element = beam.Row(**{n: row.get(n) for n in names}) if isinstance(row, dict) else beam.Row()
-    return beam.Row(element=element, msg=f"{failed.reason}: {failed.error}", stack=failed.stage)
+def _yaml_error(failed: dict, names: list[str]) -> beam.Row:
+    """A failed record -> YAML's error row; `element` is the input row's own values."""
+    row = failed.get("row")
+    values = row if isinstance(row, dict) else {}
+    return beam.Row(element=beam.Row(**{n: values.get(n) for n in names}),
+                    msg=f"{failed['reason']}: {failed['error']}", stack=failed["stage"])

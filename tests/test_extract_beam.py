@@ -117,3 +117,23 @@ def test_same_output_on_the_portable_runner(tiny_dir):
     with beam.Pipeline(options=options) as p:
         result = p | beam.Create(GOOD) | ExtractFields(task=task, model=tiny_dir, verify=False)
         assert_that(result.extracted | beam.Map(lambda r: (r["ticket_id"], r["raw_output"])), equal_to(expected))
+
+
+def test_beam_batches_start_full_for_decoding(tiny_dir):
+    """Extraction's Beam batches start at its decoding batch size (BatchElements would grow
+    from 8): 20 rows of one bundle run as one batch, classification's as several."""
+    from beam_prefix.transforms import ClassifyText
+
+    rows = [{"text": TEXTS[i % len(TEXTS)]} for i in range(20)]
+
+    def batches(transform) -> list[int]:
+        p = beam.Pipeline(options=PipelineOptions(["--direct_running_mode=in_memory"]))
+        _ = p | beam.Create(rows, reshuffle=False) | transform
+        result = p.run()
+        result.wait_until_finish()
+        dist = next(d for d in result.metrics().query(MetricsFilter().with_namespace("beam_prefix"))["distributions"]
+                    if d.key.metric.name == "batch_size_rows")
+        return [dist.committed.count, dist.committed.max]
+
+    assert batches(ExtractFields(task=_task(max_new_tokens=2), model=tiny_dir, verify=False)) == [1, 20]
+    assert batches(ClassifyText(task=tiny_task(), model=tiny_dir, verify=False))[0] > 1

@@ -67,3 +67,48 @@ def test_yaml_extraction_pipeline_extracts_and_routes_errors(tiny_dir, tmp_path)
         assert row["raw_output"] == reference[key].raw_output
         assert row["product_area"] == reference[key].values["product_area"]
     assert len(errors) == 1 and errors[0]["element"]["ticket_id"] == "T3" and errors[0]["stack"] == "validate"
+
+
+def _chain_run(tiny_dir, tmp_path, fields_task, rows):
+    tickets = tmp_path / "tickets.csv"
+    tickets.write_text("ticket_id,text,label\n" + "".join(f"{r[0]},{r[1]},{r[2]}\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "out"
+    yaml_main.run(argv=[
+        f"--yaml_pipeline_file={os.path.join(ROOT, 'pipelines', 'yaml', 'classify_then_extract.yaml')}",
+        "--runner=DirectRunner",
+        "--jinja_variables=" + json.dumps({"input": str(tickets), "output": str(out), "classify_task": TASK,
+                                           "extract_task": str(fields_task), "model": tiny_dir})])
+    return out
+
+
+def test_yaml_chain_classify_then_extract_with_top_k(tiny_dir, tmp_path):
+    """The shipped chain-form example: ClassifyText (top_k) then ExtractFields on its
+    labelled rows, no extra arguments; each step's metadata columns are its own."""
+    from beam_prefix import load_task
+    from beam_prefix.extractor import Extractor
+
+    from test_extraction import FIELDS
+
+    fields_task = tmp_path / "fields.yaml"
+    fields_task.write_text(json.dumps({"kind": "extract", "instructions": "Fill in the fields.", "fields": FIELDS,
+                                       "max_new_tokens": 80, "version": "f1"}))
+    out = _chain_run(tiny_dir, tmp_path, fields_task, [("T1", "I was charged twice", "billing"),
+                                                       ("T2", "The app crashes", "technical"), ("T3", "", "account")])
+    rows = {r["ticket_id"]: r for r in _read_jsonl(f"{out}/routed_fields.json*")}
+    classify_errors = _read_jsonl(f"{out}/classify_errors.json*")
+    assert sorted(rows) == ["T1", "T2"] and [e["element"]["ticket_id"] for e in classify_errors] == ["T3"]
+    assert _read_jsonl(f"{out}/extract_errors.json*") == []
+    clf = PrefixClassifier(task=TaskSpec.from_yaml(TASK), loaded=load_model(tiny_dir), verify=False)
+    ex = Extractor(task=load_task(fields_task), loaded=load_model(tiny_dir), verify=False)
+    texts = {"T1": "I was charged twice", "T2": "The app crashes"}
+    labels = dict(zip(texts, clf.classify_full(list(texts.values()))))
+    fields = dict(zip(texts, ex.extract_full(list(texts.values()))))
+    for key, row in rows.items():
+        assert row["label"] == labels[key].label and row["gold"]
+        assert [e["label"] for e in row["top_k"]] == [n for n, _ in labels[key].top(2)]
+        assert row["raw_output"] == fields[key].raw_output
+        # the classifier's metadata kept as it was, the extractor's beside it under its prefix
+        assert row["prompt_fingerprint"] == clf.fingerprint and row["extract_prompt_fingerprint"] == ex.fingerprint
+        assert row["model"] == row["extract_model"] == clf.model_id
+        assert row["extract_task_version"] == "f1" and "task_version" not in row
+        assert row["truncated"] is False and row["extract_truncated"] is False
