@@ -10,25 +10,50 @@ its processes through `MultiProcessShared`). The loaded object is a `ServedClass
 (shared weights and prefix; with the expanded engine its own working cache), and it
 pickles nothing but texts and predictions when it lives in another process.
 
-Bad texts fail alone: the handler's preprocessing step validates each text (its own
-tokenizer, no model), so under ``RunInference(...).with_exception_handling()`` a ``None``
-or an over-budget text goes to ``failed_preprocessing`` with its `RowError` and never
-fails the good texts batched with it.
+Bad texts fail alone: the handler's preprocessing step validates and encodes each text
+(its own tokenizer, no model), so under ``RunInference(...).with_exception_handling()`` a
+``None`` or an over-budget text goes to ``failed_preprocessing`` with its `RowError` and
+never fails the good texts batched with it. A valid text travels on as a `ValidText`
+carrying its encoding, so it is tokenized once; results carry the text itself.
+
+Keyed examples: Beam's ``KeyedModelHandler`` refuses a handler that has a preprocessing
+step (its pre/postprocessing must be on the outer handler), so keyed use has its own
+handler, `KeyedPrefixCachedModelHandler`: ``(key, text)`` in, ``(key, PredictionResult)``
+out, each bad text failing alone in the same way. Beam's own wrapper works on a handler
+built with ``validate_texts=False`` (each text is then validated in the batch: a bad
+one fails its batch, as a model error would).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import threading
 from typing import Any, Iterable, Optional, Sequence
 
-from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult
 
 from beam_prefix.classifier import PrefixClassifier
 from beam_prefix.model import EMBEDDED, load_tokenizer
-from beam_prefix.prompt import PromptLayout
+from beam_prefix.prompt import EncodedText, PromptLayout
 from beam_prefix.task import TaskSpec
 
-__all__ = ["PrefixCachedModelHandler", "ServedClassifier", "TextValidator"]
+__all__ = ["PrefixCachedModelHandler", "KeyedPrefixCachedModelHandler", "ServedClassifier", "TextValidator",
+           "ValidText"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidText:
+    """A text that passed validation, with its encoding and the ``(model, task)`` it was
+    encoded for (after a model update, `run_inference` encodes it again)."""
+
+    text: str
+    encoded: EncodedText
+    key: str
+
+
+def _key(model: str, task: TaskSpec) -> str:
+    return hashlib.sha256(f"{model}|{task!r}".encode("utf-8")).hexdigest()[:16]
 
 
 class ServedClassifier:
@@ -36,8 +61,9 @@ class ServedClassifier:
     through per-thread forks. Only methods cross a process boundary (a proxy exposes no
     attributes), so the model id is a method too."""
 
-    def __init__(self, classifier: PrefixClassifier):
+    def __init__(self, classifier: PrefixClassifier, key: str = ""):
         self.classifier = classifier
+        self._key = key  # the (model, task) whose encodings `ValidText`s may carry here
         self._local = threading.local()
 
     def _fork(self) -> PrefixClassifier:
@@ -46,8 +72,13 @@ class ServedClassifier:
             fork = self._local.fork = self.classifier.fork()
         return fork
 
-    def classify(self, texts: Sequence[str]):
-        return self._fork().classify(list(texts))
+    def classify(self, texts: Sequence):
+        """Texts (or `ValidText`s) in order; a `ValidText` encoded for this model and task is
+        not tokenized again."""
+        fork = self._fork()
+        encoded = [(t.encoded if t.key == self._key else fork.encode(t.text)) if isinstance(t, ValidText)
+                   else fork.encode(t) for t in texts]
+        return fork.classify_encoded(encoded)
 
     def model_id(self) -> str:
         return self.classifier.model_id
@@ -59,12 +90,12 @@ _LAYOUTS_LOCK = threading.Lock()
 
 
 class TextValidator:
-    """A preprocessing function: returns the text unchanged, or raises the `RowError` (with
-    its reason) that the classifier would raise for it. Loads only the tokenizer, once per
-    process."""
+    """A preprocessing function: returns the text as a `ValidText` (its encoding attached),
+    or raises the `RowError` (with its reason) that the classifier would raise for it.
+    Loads only the tokenizer, once per process. `keyed`: examples are ``(key, text)``."""
 
-    def __init__(self, task: TaskSpec, model: str):
-        self.task, self.model = task, model
+    def __init__(self, task: TaskSpec, model: str, *, keyed: bool = False):
+        self.task, self.model, self.keyed = task, model, keyed
 
     def _layout(self) -> PromptLayout:
         key = (self.model, repr(self.task))
@@ -74,9 +105,14 @@ class TextValidator:
                 layout = _LAYOUTS[key] = PromptLayout.build(self.task, load_tokenizer(self.model))
         return layout
 
-    def __call__(self, text):
-        self._layout().encode(text)
-        return text
+    def __call__(self, example):
+        if self.keyed:
+            key, text = example
+            return key, self._valid(text)
+        return self._valid(example)
+
+    def _valid(self, text) -> ValidText:
+        return ValidText(text, self._layout().encode(text), _key(self.model, self.task))
 
 
 class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassifier]):
@@ -108,7 +144,7 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
     def load_model(self) -> ServedClassifier:
         return ServedClassifier(PrefixClassifier.load(
             self._task, self._model, dtype=self._dtype, threads=self._threads, batch_size=self._batch_size,
-            verify=self._verify))
+            verify=self._verify), key=_key(self._model, self._task))
 
     def update_model_path(self, model_path: Optional[str] = None):
         """Use `model_path` from the next `load_model` on (RunInference's model updates); the
@@ -129,7 +165,25 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
         self.validate_inference_args(inference_args)
         predictions = model.classify(list(batch))
         model_id = model.model_id()
-        return [PredictionResult(example, pred, model_id=model_id) for example, pred in zip(batch, predictions)]
+        return [PredictionResult(example.text if isinstance(example, ValidText) else example, pred, model_id=model_id)
+                for example, pred in zip(batch, predictions)]
 
     def get_metrics_namespace(self) -> str:
         return "beam_prefix"
+
+
+class KeyedPrefixCachedModelHandler(KeyedModelHandler):
+    """`PrefixCachedModelHandler` for keyed examples: ``(key, text)`` in, ``(key,
+    PredictionResult)`` out. Takes the same arguments; with ``validate_texts`` (default)
+    each text is validated and encoded in this handler's own preprocessing step, so under
+    ``with_exception_handling()`` a bad one lands alone in ``failed_preprocessing`` (Beam's
+    ``KeyedModelHandler`` cannot wrap a handler that has such a step)."""
+
+    def __init__(self, *, validate_texts: bool = True, **kwargs):
+        self._inner = PrefixCachedModelHandler(validate_texts=False, **kwargs)
+        super().__init__(self._inner)
+        self._validate_texts = validate_texts
+
+    def get_preprocess_fns(self) -> Iterable:
+        own = [TextValidator(self._inner._task, self._inner._model, keyed=True)] if self._validate_texts else []
+        return own + list(super().get_preprocess_fns())

@@ -120,3 +120,73 @@ def test_large_model_is_shared_across_worker_processes(tiny_dir):
                                                           large_model=True))
                   | beam.Map(lambda r: (r.example, r.inference.label)))
         assert_that(labels, equal_to(_labels(tiny_dir, TEXTS)))
+
+
+def test_each_text_is_tokenized_once(tiny_dir, monkeypatch):
+    """The preprocessing step's encoding travels with the text (a `ValidText`)."""
+    from beam_prefix.prompt import PromptLayout
+
+    expected = _labels(tiny_dir, TEXTS[:6])
+    calls = []
+    original = PromptLayout.encode
+
+    def counting(self, text):
+        calls.append(text)
+        return original(self, text)
+
+    monkeypatch.setattr(PromptLayout, "encode", counting)
+    with TestPipeline() as p:
+        labels = (p | beam.Create(TEXTS[:6])
+                  | RunInference(PrefixCachedModelHandler(task=_task(), model=tiny_dir, batch_size=4, verify=False))
+                  | beam.Map(lambda r: (r.example, r.inference.label)))
+        assert_that(labels, equal_to(expected))
+    assert sorted(calls) == sorted(TEXTS[:6])
+
+
+KEYED_BAD = [("k-none", None), ("k-int", 12345), ("k-long", "word " * 400)]
+
+
+@pytest.mark.parametrize("exception_handling", [True, False])
+def test_keyed_handler_isolates_bad_texts(tiny_dir, exception_handling):
+    from beam_prefix.handler import KeyedPrefixCachedModelHandler
+
+    good = [(f"k{i}", t) for i, t in enumerate(TEXTS[:5])]
+    expected = [(k, label) for (k, _), (_, label) in zip(good, _labels(tiny_dir, [t for _, t in good]))]
+    handler = KeyedPrefixCachedModelHandler(task=_task(), model=tiny_dir, batch_size=16, min_batch_size=16,
+                                            verify=False)
+    if not exception_handling:  # only good texts: the keyed path labels them; a bad one fails the run
+        with TestPipeline() as p:
+            out = p | beam.Create(good) | RunInference(handler)
+            assert_that(out | beam.Map(lambda kv: (kv[0], kv[1].inference.label)), equal_to(expected))
+        with pytest.raises(Exception, match="text is null"):
+            with TestPipeline() as p:
+                _ = p | beam.Create(good + KEYED_BAD[:1]) | RunInference(handler)
+        return
+    with TestPipeline() as p:
+        main, dlq = (p | beam.Create(good + KEYED_BAD, reshuffle=False)
+                     | RunInference(handler).with_exception_handling())
+        assert_that(main | beam.Map(lambda kv: (kv[0], kv[1].example, kv[1].inference.label)),
+                    equal_to([(k, t, label) for (k, t), (_, label) in zip(good, expected)]), label="GoodLabelled")
+        assert_that(dlq.failed_preprocessing[0] | beam.Map(lambda e: (e[0][0], e[1][0].__name__)),
+                    equal_to([("k-none", "RowError"), ("k-int", "RowError"), ("k-long", "TextTooLongError")]),
+                    label="BadAlone")
+        assert_that(dlq.failed_inferences, equal_to([]), label="NoBatchFailed")
+
+
+def test_beams_keyed_wrapper_takes_the_handler_without_its_validation_step(tiny_dir):
+    from apache_beam.ml.inference.base import KeyedModelHandler
+
+    good = [(f"k{i}", t) for i, t in enumerate(TEXTS[:4])]
+    expected = [(k, label) for (k, _), (_, label) in zip(good, _labels(tiny_dir, [t for _, t in good]))]
+    handler = KeyedModelHandler(PrefixCachedModelHandler(task=_task(), model=tiny_dir, validate_texts=False,
+                                                         verify=False))
+    with TestPipeline() as p:
+        out = p | beam.Create(good) | RunInference(handler)
+        assert_that(out | beam.Map(lambda kv: (kv[0], kv[1].inference.label)), equal_to(expected))
+
+
+def test_unkeyed_without_exception_handling_a_bad_text_fails_the_run(tiny_dir):
+    with pytest.raises(Exception, match="text is empty"):
+        with TestPipeline() as p:
+            _ = p | beam.Create(TEXTS[:3] + ["  "]) | RunInference(
+                PrefixCachedModelHandler(task=_task(), model=tiny_dir, verify=False))
