@@ -154,6 +154,11 @@ def validate(options: PipelineOptions) -> None:
     if o.failed_output_table and not o.output_table:
         raise ValueError("--failed_output_table needs --output_table (file outputs use --failed_output)")
     runner = (options.view_as(StandardOptions).runner or "").lower()
+    if "dask" in runner:
+        raise ValueError(f"--runner={options.view_as(StandardOptions).runner}: Beam's DaskRunner (2.77) hands every "
+                         f"consumer of a multi-output step all of its outputs, so labelled rows would land in the "
+                         f"failed output and the run would end 'done'; use DirectRunner, a portable runner (Flink, "
+                         f"Spark) or Dataflow")
     if "dataflow" in runner:
         for flag in ("output", "failed_output", "summary_output"):
             value = getattr(o, flag)

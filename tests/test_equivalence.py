@@ -163,3 +163,20 @@ def test_full_reference_uses_no_cache_and_matches_model_logits(tiny_models):
     with torch.inference_mode():
         logits = clf.model(input_ids=torch.tensor([list(ids)])).logits[0, -1]
     assert torch.allclose(raw, logits[clf._first_ids])
+
+
+def test_self_check_times_steady_state_after_one_warm_call(tiny_models, monkeypatch):
+    """The start-up self-check's cached-vs-full timing excludes the first call's warm-up:
+    one untimed cached call on a probe, then the timed calls on all of them."""
+    clf = _classifier(tiny_models["llama"], tiny_task())
+    calls = []
+    original = PrefixClassifier.classify
+
+    def recording(self, texts):
+        calls.append(("cached", list(texts)))
+        return original(self, texts)
+
+    monkeypatch.setattr(PrefixClassifier, "classify", recording)
+    clf.verify(TEXTS[:3])
+    assert calls == [("cached", TEXTS[:1]), ("cached", TEXTS[:3])]
+    assert clf.last_check["cached_ms_per_row"] > 0 and clf.last_check["full_ms_per_row"] > 0

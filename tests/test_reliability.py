@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -285,3 +286,83 @@ def test_a_prompt_longer_than_the_model_is_refused_at_launch(tiny_dir, tmp_path,
 def test_a_model_that_cannot_load_is_refused_at_launch(tmp_path, no_model, capsys):
     err = _launch_error(classify.main, [f"--model={tmp_path}/no-such-model", f"--output={tmp_path}/o/x"], capsys)
     assert "cannot load the tokenizer" in err and "no-such-model" in err
+
+
+@pytest.mark.parametrize("runner", ["DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner"])
+def test_a_runner_that_mixes_tagged_outputs_is_refused_at_launch(tmp_path, runner, no_model, capsys):
+    for main in (classify.main, extract.main):
+        assert main([f"--runner={runner}", f"--output={tmp_path}/o/x"]) == 2
+        err = capsys.readouterr().err
+        assert "DaskRunner" in err and "multi-output" in err and "\n" not in err.strip()
+
+
+# -- a worker killed mid-run ------------------------------------------------------------------
+
+def _process_tree(pid: int) -> list[int]:
+    """pid's descendants, from /proc (Linux)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
+@pytest.mark.parametrize("pipeline,flags", [
+    ("classify", ["--runner=DirectRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=2"]),
+    ("extract", ["--runner=PortableRunner", "--job_endpoint=embed",
+                 "--environment_type=beam:env:harness_subprocess_python:v1",
+                 f"--environment_config={sys.executable} -m apache_beam.runners.worker.sdk_worker_main",
+                 "--max_new_tokens=16"]),
+], ids=["classify-direct-processes", "extract-portable-subprocess"])
+def test_a_worker_killed_mid_run_leaves_no_files(tiny_dir, tmp_path, pipeline, flags):
+    """A real kill -9 of a worker process: exit 1 with the cause in one line, and no final
+    file, no staging directory, no Beam temp file left behind."""
+    import signal
+    import subprocess
+    import time
+
+    rows = [{"id": f"T{i}", "text": f"ticket {i}: my invoice is wrong and the app crashes"} for i in range(3000)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    out = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, "-m", f"pipelines.{pipeline}", *flags, f"--input={tmp_path}/in.parquet",
+                             f"--model={tiny_dir}", f"--output={out}/rows", "--verify=false"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.join(os.path.dirname(__file__), ".."))
+    killed = None
+    try:
+        deadline = time.time() + 120
+        while killed is None and time.time() < deadline and proc.poll() is None:
+            workers = [p for p in _process_tree(proc.pid) if "sdk_worker_main" in _cmdline(p)
+                       and not _cmdline(p).startswith("/bin/sh")]
+            if workers and os.path.isdir(out) and os.listdir(out):  # staging exists: the run is under way
+                time.sleep(3)
+                os.kill(workers[0], signal.SIGKILL)
+                killed = workers[0]
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed, "no worker process was found to kill"
+    assert proc.returncode == 1, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: a worker process died") and "nothing was written" in last, last
+    assert _files(out) == []  # no final file, no staging directory (Beam's temp files were in it)
