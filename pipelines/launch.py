@@ -162,6 +162,7 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         # (a flag, not an attribute set later: workers receive the parsed flags)
         argv.append(f"--beam_plugins={bigquery_endpoint.__name__}")
     options = PipelineOptions(argv)
+    validate(options)  # before the runner is built: a runner that cannot run this is refused by name
     p = test_pipeline or beam.Pipeline(options=options)
     plan = build(p, options, compose, default_output=default_output, failed_name=failed_name,
                  validate_more=validate_more, kind=kind)
