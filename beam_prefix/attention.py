@@ -12,10 +12,10 @@ layer's prefix keys and values in a keyword argument of the forward pass and com
 softmax over ``[prefix | new]`` keys in two parts:
 
 * prefix part: the queries of all rows folded into one matrix per key/value head,
-  ``[1, kv_heads, rows * group * q, head_dim]`` against the batch-1 prefix
+  ``[1, kv_heads, group * T, head_dim]`` against the batch-1 prefix
   ``[1, kv_heads, kept, head_dim]``, never copied; on CPU through torch's blocked flash
-  kernel (which returns the part's logsumexp), else plain matmuls;
-* new part: each row's queries against its own new keys, ``[rows, kv_heads, group * q, q]``.
+  kernel (which returns the part's logsumexp), on other devices through plain matmuls;
+* new part: each row's queries against its own new keys (and the call's earlier tokens).
 
 Each part yields its softmax-weighted values and logsumexp; weighting them by their share
 of the total mass gives the same softmax as over the concatenation (fp32 results equal
@@ -25,11 +25,11 @@ Masks (boolean, True = attend) are ``[rows, 1, q, q]`` when the whole prefix is 
 every query, or ``[rows, 1, q, kept + q]`` (prefix columns first) when it is not, e.g.
 on a sliding-window layer.
 
-A batch can also run *packed* (`Packing`): its rows' real tokens concatenated into one
-sequence, ``[1, T]``, with no padding, so the linear layers (most of the work) and the
-prefix part compute nothing for pad columns, however unequal the rows are. Only the
-small new part is laid out padded, ``[rows, kv_heads, group * q, q]``, so that the
-padded masks above (tree masks and sliding windows included) apply unchanged.
+A batch runs *packed* (`Packing`): its rows' real tokens concatenated into one sequence,
+``[1, T]``, with no padding, so the linear layers (most of the work) and the prefix part
+compute nothing for pad columns, however unequal the rows are. Only the small new part is
+laid out padded, ``[rows, kv_heads, group * q, q]``, so that the padded masks above (tree
+masks and sliding windows included) apply unchanged.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _register() -> None:
                                               scaling=scaling, dropout=dropout, **kwargs)
             if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
                 raise NotImplementedError("shared-prefix attention does not support logit softcapping or sinks")
-            packing = kwargs.pop(PACKING_KWARG, None)
+            packing = kwargs.pop(PACKING_KWARG)  # shared-prefix batches always run packed
             call = kwargs.pop(CALL_KWARG, None)
             state = layers[module.layer_idx]
             past = call.past(module.layer_idx) if call is not None else None
@@ -81,8 +81,6 @@ def _register() -> None:
                                           scaling if scaling is not None else query.shape[-1] ** -0.5,
                                           packing=packing, past=past)
             if call is not None:  # later steps of this call attend to these tokens too
-                if packing is None:
-                    raise ValueError("a call's earlier tokens are only kept for packed batches")
                 call.record(module.layer_idx, packing.unpack(key.transpose(1, 2)).transpose(1, 2),
                             packing.unpack(value.transpose(1, 2)).transpose(1, 2))
             return out, None
@@ -126,7 +124,7 @@ class Packing:
     def of(cls, columns: Sequence[torch.Tensor], width: int) -> "Packing":
         """From each row's real columns (``[n_i]`` long, ascending) in a ``width``-wide layout."""
         index = torch.cat([c + i * width for i, c in enumerate(columns)])
-        counts = torch.tensor([0] + [int(c.shape[0]) for c in columns], dtype=torch.long)
+        counts = torch.tensor([0] + [int(c.shape[0]) for c in columns], dtype=torch.long, device=index.device)
         return cls(index=index, offsets=counts.cumsum(0), width=width)
 
     @property
@@ -161,41 +159,30 @@ class Packing:
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             mask: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
-                            scaling: float, packing: Packing | None = None,
+                            scaling: float, packing: Packing,
                             past: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Softmax attention over a batch-1 prefix, then each row's earlier tokens of this call
-    (if any), then each row's own new tokens.
+    (if any), then each row's own new tokens, for a packed batch.
 
     Args:
-        query: ``[B, H, Q, D]``, or ``[1, H, T, D]`` when `packing` is given.
-        key, value: the new tokens, ``[B, KV, Q, D]`` (H a multiple of KV), or ``[1, KV, T, D]``.
+        query: ``[1, H, T, D]``, the batch's real tokens packed (`packing`).
+        key, value: the new tokens, ``[1, KV, T, D]`` (H a multiple of KV).
         mask: boolean ``[B, 1, Q, N + Q]`` (prefix fully visible) or ``[B, 1, Q, P + N + Q]``,
-            always in the padded layout (N: the earlier tokens in `past`, else 0).
+            in the padded layout (N: the earlier tokens in `past`, else 0).
         prefix_keys, prefix_values: ``[1, KV, P, D]``.
         scaling: the softmax scale.
-        packing: the packed batch's layout, or None for a padded batch.
-        past: keys and values of the rows' earlier tokens, ``[B, KV, N, D]`` each, padded
-            layout (packed batches only).
+        packing: where the packed tokens sit in the padded layout.
+        past: keys and values of the rows' earlier tokens, ``[B, KV, N, D]`` each, padded.
     Returns:
-        ``[B, Q, H, D]``, or ``[1, T, H, D]`` packed (the layout transformers' attention
-        functions return).
+        ``[1, T, H, D]`` (the layout transformers' attention functions return).
     """
     heads = query.shape[1]
-    batch = packing.rows if packing is not None else query.shape[0]
-    q = packing.width if packing is not None else query.shape[2]
+    batch, q = packing.rows, packing.width
     kept = prefix_keys.shape[-2]
     n_past = past[0].shape[-2] if past is not None else 0
     flash = mask.shape[-1] == n_past + q and query.device.type == "cpu" and _flash_works()
     per_row = heads * q * (n_past + q if flash else kept + n_past + q)
     step = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
-    if packing is None:
-        if past is not None:
-            raise ValueError("earlier tokens of a call are only supported for packed batches")
-        if step >= batch:
-            return _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash)
-        parts = [_attend(query[i:i + step], key[i:i + step], value[i:i + step], mask[i:i + step],
-                         prefix_keys, prefix_values, scaling, flash) for i in range(0, batch, step)]
-        return torch.cat(parts)
     parts = []
     for i in range(0, batch, step):
         first, last, part = packing.slice(i, min(i + step, batch))
@@ -267,33 +254,6 @@ def _prefix_part(folded, prefix_keys, prefix_values, seen, group):
         hidden = ~seen[:, :edge].expand(group, t, edge).reshape(1, 1, rows, edge)
         parts.append(_softmax_part(scores.masked_fill_(hidden, float("-inf")), prefix_values[:, :, :edge]))
     return parts[0] if len(parts) == 1 else _merge_lse(parts)
-
-
-def _attend(query, key, value, mask, prefix_keys, prefix_values, scaling, flash):
-    batch, heads, q, dim = query.shape
-    kv = key.shape[1]
-    group = heads // kv
-    kept = prefix_keys.shape[-2]
-    rows = group * q  # query rows per kv head: the heads of a group share keys (GQA)
-    qs = (query * scaling).reshape(batch, kv, rows, dim)
-    # prefix part: every row's queries folded into one matrix per kv head, [1, KV, B*rows, D]
-    folded = qs.transpose(0, 1).reshape(1, kv, batch * rows, dim)
-    if flash:  # blocked kernel: the [B*rows, P] scores never materialise
-        out_pre, lse_pre = _FLASH_OP(folded, prefix_keys, prefix_values, scale=1.0)
-    else:
-        scores = torch.matmul(folded, prefix_keys.transpose(-1, -2)).float()
-        if mask.shape[-1] == kept + q:  # [1, KV, B*rows, P] viewed per row/head/query
-            hidden = ~mask[:, :, :, :kept].expand(batch, group, q, kept).reshape(1, 1, batch * rows, kept)
-            scores.masked_fill_(hidden, float("-inf"))
-        out_pre, lse_pre = _softmax_part(scores, prefix_values)
-    out_pre = out_pre.view(kv, batch, rows, dim).transpose(0, 1)  # [B, KV, rows, D]
-    lse_pre = lse_pre.view(kv, batch, rows).transpose(0, 1)
-    # new part: each row against its own new tokens, [B, KV, rows, Q]
-    scores = torch.matmul(qs, key.transpose(-1, -2)).float().view(batch, kv, group, q, q)
-    scores.masked_fill_(~mask[:, :, None, :, -q:], float("-inf"))
-    out_new, lse_new = _softmax_part(scores.view(batch, kv, rows, q), value)
-    out = _merge((out_pre, lse_pre), (out_new, lse_new))
-    return out.to(query.dtype).reshape(batch, heads, q, dim).transpose(1, 2).contiguous()
 
 
 def _merge(*parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """A task's prompt prepared over a loaded model: what every prefix-cached engine starts from.
 
-`CachedPrompt.build` renders the task (`PromptLayout`), checks that a row's whole prompt
-fits the model's positions, runs the prefix once (`PrefixCache`) and chooses how rows
-attend to it (shared-prefix attention where the model allows, else the expanded working
-cache). Classification (`PrefixClassifier`) and extraction (`Extractor`) both hold one,
-so they build, check and fingerprint prompts the same way.
+`CachedPrompt.build` takes a task rendered for the model's tokenizer (`PromptLayout`) and
+what an engine's kind answers after it (`Answer`: the labels, or the generated output),
+checks that a row's whole prompt fits the model's positions, runs the prefix once
+(`PrefixCache`) and chooses how rows attend to it (shared-prefix attention where the model
+allows, else the expanded working cache). Every engine (`prefix_engine.PrefixEngine`)
+holds one, so classification and extraction build, check and fingerprint prompts the same
+way.
 
 Everything here is read-only after `build` and may be shared by threads; the one mutable
 part, the expanded engine's `WorkingCache`, is made per caller by `working_cache()`.
@@ -22,9 +24,24 @@ from beam_prefix.model import LoadedModel
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache
 from beam_prefix.prompt import PromptLayout
 
-__all__ = ["CachedPrompt", "PREFIX_ATTENTIONS", "length_batches", "check_context", "check_fits"]
+__all__ = ["CachedPrompt", "Answer", "PREFIX_ATTENTIONS", "length_batches", "check_context"]
 
 PREFIX_ATTENTIONS = ("auto", "shared", "expanded")
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What follows a row's suffix, as an engine's kind defines it.
+
+    Attributes:
+        what: its name in messages (``"longest label"``, ``"max_new_tokens"``).
+        tokens: the most positions it takes after the suffix.
+        identity: what of it goes into the prompt fingerprint (JSON-able).
+    """
+
+    what: str
+    tokens: int
+    identity: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,29 +50,32 @@ class CachedPrompt:
 
     Attributes:
         layout: the rendered prompt and its token-clean split.
+        answer: what follows each row's suffix (`Answer`).
         prefix_cache: the prefix's keys and values (``[1, kv_heads, P, head_dim]`` per layer).
         prefix_attention: ``"shared"`` or ``"expanded"`` (see `PrefixClassifier`).
-        fingerprint: hash of everything that shapes outputs (prompt ids, answers, model id).
+        fingerprint: hash of everything that shapes outputs (prompt ids, answer, model id).
         build_s: seconds the prefix's forward pass took.
     """
 
     layout: PromptLayout
+    answer: Answer
     prefix_cache: PrefixCache
     prefix_attention: str
     fingerprint: str
     build_s: float
 
     @classmethod
-    def build(cls, task, loaded: LoadedModel, *, prefix_attention: str = "auto") -> "CachedPrompt":
+    def build(cls, layout: PromptLayout, answer: Answer, loaded: LoadedModel, *,
+              prefix_attention: str = "auto") -> "CachedPrompt":
         if prefix_attention not in PREFIX_ATTENTIONS:
             raise ValueError(f"prefix_attention must be 'auto', 'shared' or 'expanded', got {prefix_attention!r}")
-        layout = PromptLayout.build(task, loaded.tokenizer)
-        check_context(layout, loaded.model.config, loaded.model_id)  # before the prefix's forward allocates
+        check_context(layout, answer, loaded.model.config, loaded.model_id)  # before the prefix's forward allocates
         start = time.perf_counter()
         prefix = PrefixCache(loaded.model, layout.prefix_ids)
-        return cls(layout=layout, prefix_cache=prefix,
+        return cls(layout=layout, answer=answer, prefix_cache=prefix,
                    prefix_attention=choose_prefix_attention(loaded.model, prefix_attention),
-                   fingerprint=layout.fingerprint(loaded.model_id), build_s=time.perf_counter() - start)
+                   fingerprint=layout.fingerprint(loaded.model_id, answer.identity),
+                   build_s=time.perf_counter() - start)
 
     def working_cache(self) -> WorkingCache | None:
         """A new per-caller working cache on the expanded engine; None under shared attention."""
@@ -76,36 +96,25 @@ def choose_prefix_attention(model, requested: str) -> str:
     return "expanded"
 
 
-def check_fits(task, model: str, *, trust_remote_code: bool = False) -> None:
-    """The check `CachedPrompt.build` makes on a worker, made where only the model's
-    configuration and tokenizer are read (no weights): a launcher refuses a task that cannot
-    fit before any worker starts.
+def check_context(layout: PromptLayout, answer: Answer, config, model_id: str) -> None:
+    """Refuse a prompt longer than the model's positions (`config`: the model's
+    configuration, which is all this reads of the model: launchers check too; past its
+    positions a model extrapolates, or fails, and a huge prefix makes one huge allocation).
 
     Raises:
-        ContextLengthError: as `check_context`; TaskSpecError/BoundaryError from the layout.
+        ContextLengthError: saying by how much, and what to shorten.
     """
-    from beam_prefix.model import load_config, load_tokenizer, model_id
-
-    layout = PromptLayout.build(task, load_tokenizer(model, trust_remote_code=trust_remote_code))
-    check_context(layout, load_config(model, trust_remote_code=trust_remote_code), model_id(model))
-
-
-def check_context(layout: PromptLayout, config, model_id: str) -> None:
-    """Refuse a prompt longer than the model's positions (`config`: the model's
-    configuration; past its positions a model extrapolates, or fails, and a huge prefix
-    makes one huge allocation)."""
     config = config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)
-    parts = layout.max_positions()
+    parts = layout.max_positions(answer.tokens)
     need = sum(parts.values())
     if limit and need > limit:
-        answer = "longest label" if layout.task.kind == "classify" else "max_new_tokens"
         room = limit - parts["prefix"] - parts["suffix"] - parts["answer"]
         fix = (f"lower max_text_tokens to {room} or less" if room >= 1 else
                "shorten the instructions, label descriptions, fields or examples")
         raise ContextLengthError(
             f"task {layout.task.name!r}: a row's prompt can take {need:,} positions (prefix {parts['prefix']:,} + "
-            f"suffix template {parts['suffix']} + text budget {parts['text']:,} + {answer} {parts['answer']}), "
+            f"suffix template {parts['suffix']} + text budget {parts['text']:,} + {answer.what} {parts['answer']}), "
             f"over the {limit:,} of model {model_id} (max_position_embeddings); {fix}")
 
 

@@ -15,7 +15,6 @@ then plain incremental decoding on the model's own cache, with the same constrai
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -23,9 +22,9 @@ import numpy as np
 import torch
 
 from beam_prefix.constraints import RowMatchers
-from beam_prefix.engine import CallState, Step, forward
-from beam_prefix.prefix_cache import PrefixCache, WorkingCache
-from beam_prefix.scoring import OutputHead
+from beam_prefix.engine import CallState, Step, forward, seated
+from beam_prefix.output_head import OutputHead
+from beam_prefix.prefix_cache import PrefixCache, WorkingCache, new_cache
 
 __all__ = ["Decoded", "decode_cached", "decode_full"]
 
@@ -47,17 +46,17 @@ def decode_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequen
                   matchers: RowMatchers, max_new_tokens: int, *,
                   working: WorkingCache | None = None) -> list[Decoded]:
     """Greedy constrained decoding for each suffix (row r uses matcher r), batched."""
-    step = Step.suffixes(suffixes, prefix.length)
+    device = head.weight.device
+    step = Step.suffixes(suffixes, prefix.length, device)
     batch = step.ids.shape[0]
     ends = prefix.length + step.lengths  # position of each row's first generated token
-    call = CallState(batch)
+    call = CallState(batch, device)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     finished = [False] * batch
     with torch.inference_mode():
-        seat = working.use(batch, plain=True) if working is not None else contextlib.nullcontext()
-        with seat as cache:
+        with seated(working, batch, plain=True) as cache:
             hidden = forward(model, prefix, step, cache=cache, call=call)
-            last = hidden[torch.arange(batch), step.lengths - 1]  # [B, H]
+            last = hidden[torch.arange(batch, device=device), step.lengths - 1]  # [B, H]
             active = list(range(batch))
             for t in range(max_new_tokens):
                 chosen = _choose(head, matchers, last, active)
@@ -104,9 +103,10 @@ def _choose(head: OutputHead, matchers: RowMatchers, last: torch.Tensor, active:
 def _token_step(tokens: list[list[int]], active: list[int], call: CallState, positions: torch.Tensor) -> Step:
     """The latest token of each active row, ``[B, 1]``; it sees its own row's earlier tokens."""
     batch = len(tokens)
-    real = torch.zeros(batch, 1, dtype=torch.bool)
-    real[active] = True
-    ids = torch.tensor([[t[-1] if t else 0] for t in tokens], dtype=torch.long)
+    device = positions.device
+    real = torch.zeros(batch, 1, dtype=torch.bool, device=device)
+    real[torch.tensor(active, dtype=torch.long, device=device)] = True
+    ids = torch.tensor([[t[-1] if t else 0] for t in tokens], dtype=torch.long, device=device)
     return Step(ids=ids, positions=positions[:, None], real=real, see_new=real[:, :, None].clone(),
                 see_past=call.real[:, None, :] & real[:, :, None])
 
@@ -115,12 +115,10 @@ def decode_full(model, prompt_ids: Sequence[int], matchers: RowMatchers, row: in
                 max_new_tokens: int) -> Decoded:
     """Reference for one row: its whole prompt run with no prefix cache, then incremental
     decoding on the model's own cache (matcher `row` of `matchers`)."""
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     n = len(prompt_ids)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config, device)
     tokens: list[int] = []
     with torch.inference_mode():
         out = model(input_ids=ids, position_ids=torch.arange(n, device=device)[None], cache=cache,

@@ -19,14 +19,17 @@ under shared-prefix attention where the whole prefix is visible (no window).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Iterator
 
 import torch
+from transformers import DynamicCache
 
 from beam_prefix.attention import SHARED_SDPA, Packing, prefix_kwargs
-from beam_prefix.prefix_cache import PrefixCache
+from beam_prefix.prefix_cache import PrefixCache, WorkingCache
 
-__all__ = ["Step", "CallState", "forward"]
+__all__ = ["Step", "CallState", "forward", "seated"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +56,13 @@ class Step:
     causal: bool = False
 
     @classmethod
-    def suffixes(cls, rows, start: int) -> "Step":
-        """Each row's token ids (a sequence of ints), causal, from position `start`."""
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-        width = int(lengths.max())
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
-        col = torch.arange(width)
+    def suffixes(cls, rows, start: int, device: torch.device | str) -> "Step":
+        """Each row's token ids (a sequence of ints), causal, from position `start`, on `device`."""
+        width = max(len(r) for r in rows)
+        # one host-to-device copy each for the ids and the lengths
+        ids = torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
+        col = torch.arange(width, device=device)
         real = col[None] < lengths[:, None]
         causal = col[:, None] >= col[None, :]
         see = causal[None] & real[:, None, :] & real[:, :, None]
@@ -70,6 +72,28 @@ class Step:
     @property
     def lengths(self) -> torch.Tensor:
         return self.real.sum(-1)
+
+    def with_tree(self, tokens: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor) -> "Step":
+        """This (causal, suffix) step with a tree of nodes after every row:
+        ``[suffix | pad | nodes]``, each node seeing its row's real suffix and its own
+        ancestors (tree attention), at position suffix end + depth.
+
+        Args:
+            tokens: ``[T]`` the nodes' token ids; depth: ``[T]`` (0 = right after the
+                suffix); ancestors: ``[T, T]`` bool, node k is node q itself or above it.
+        """
+        batch, width = self.ids.shape
+        t = tokens.shape[0]
+        q = width + t
+        see = torch.zeros(batch, q, q, dtype=torch.bool, device=self.ids.device)
+        see[:, :width, :width] = self.see_new
+        see[:, width:, :width] = self.real[:, None, :]
+        see[:, width:, width:] = ancestors[None]
+        start = self.positions[:, :1]
+        return Step(ids=torch.cat([self.ids, tokens[None].expand(batch, -1)], dim=1),
+                    positions=torch.cat([self.positions, start + self.lengths[:, None] + depth[None]], dim=1),
+                    real=torch.cat([self.real, torch.ones(batch, t, dtype=torch.bool, device=self.ids.device)], dim=1),
+                    see_new=see)
 
 
 class CallState:
@@ -82,9 +106,9 @@ class CallState:
     ``[B, KV, N, D]``, recorded by the attention function as each layer runs.
     """
 
-    def __init__(self, batch: int):
-        self.positions = torch.zeros(batch, 0, dtype=torch.long)
-        self.real = torch.zeros(batch, 0, dtype=torch.bool)
+    def __init__(self, batch: int, device: torch.device | str):
+        self.positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.real = torch.zeros(batch, 0, dtype=torch.bool, device=device)
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -109,6 +133,19 @@ class CallState:
         self.real = torch.cat([self.real, step.real], dim=1)
 
 
+@contextlib.contextmanager
+def seated(working: WorkingCache | None, batch: int, *, plain: bool = False) -> Iterator[DynamicCache | None]:
+    """The cache a call's forward passes run on: None under shared-prefix attention (the
+    call stores nothing), else `working` seated on the prefix for `batch` rows, cropped
+    back to the prefix on exit, also when a forward raises (`WorkingCache.use`; `plain`:
+    several passes in one call, windows applied by the masks)."""
+    if working is None:
+        yield None
+        return
+    with working.use(batch, plain=plain) as cache:
+        yield cache
+
+
 def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallState | None = None) -> torch.Tensor:
     """Run `step` over the prefix; returns hidden states ``[B, Q, H]`` (zeros at pad
     columns under shared-prefix attention).
@@ -124,7 +161,7 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
         raise ValueError("the call has earlier tokens: the step must say which it sees (see_past)")
     if cache is None:
         masks = _masks(model, prefix, step, call, shared=True)
-        columns = torch.arange(step.ids.shape[1])
+        columns = torch.arange(step.ids.shape[1], device=step.ids.device)
         packing = Packing.of([columns[r] for r in step.real], step.ids.shape[1])
         packed = model.base_model(input_ids=packing.pack(step.ids), attention_mask=masks,
                                   position_ids=packing.pack(step.positions), use_cache=False,
@@ -133,8 +170,8 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
     else:
         if step.causal and call is None:
             # 2-D, any attention implementation; it must span cached + new tokens
-            masks = torch.cat([torch.ones(step.ids.shape[0], cache.get_seq_length(), dtype=torch.long),
-                               step.real.long()], dim=1)
+            masks = torch.cat([torch.ones(step.ids.shape[0], cache.get_seq_length(), dtype=torch.long,
+                                          device=step.ids.device), step.real.long()], dim=1)
         else:
             masks = _masks(model, prefix, step, call, shared=False)
         hidden = model.base_model(input_ids=step.ids, attention_mask=masks, position_ids=step.positions,
@@ -151,7 +188,8 @@ def _masks(model, prefix: PrefixCache, step: Step, call: CallState | None, *, sh
     window on sliding layers, by position."""
     batch, q = step.ids.shape
     positions = step.positions
-    diag = torch.arange(q)
+    device = step.ids.device
+    diag = torch.arange(q, device=device)
     pad_rows = ~step.real
     new = step.see_new.clone()
     new[:, diag, diag] |= pad_rows
@@ -161,9 +199,9 @@ def _masks(model, prefix: PrefixCache, step: Step, call: CallState | None, *, sh
     def build(window: int | None, kept: int) -> torch.Tensor:
         parts = []
         if window is not None or not shared:
-            visible = torch.ones(batch, q, kept, dtype=torch.bool)
+            visible = torch.ones(batch, q, kept, dtype=torch.bool, device=device)
             if window is not None:
-                key_pos = torch.arange(prefix_len - kept, prefix_len)
+                key_pos = torch.arange(prefix_len - kept, prefix_len, device=device)
                 visible &= (positions[:, :, None] - key_pos[None, None]) < window
             parts.append(visible)
         if has_past:
@@ -195,6 +233,6 @@ def _as_attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
         return mask
     if model.config._attn_implementation == "eager":
         dtype = next(model.parameters()).dtype
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     raise ValueError(f"sequence scoring needs sdpa or eager attention, not "
                      f"{model.config._attn_implementation!r}; load the model with attn_implementation='sdpa'")

@@ -27,13 +27,13 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.typehints.row_type import RowTypeConstraint
 
-from beam_prefix.dofn import PrefixStepDoFn, StepConfig, _stamp
 from beam_prefix.extract_task import ExtractionSpec, load_task
 from beam_prefix.extractor import Extraction, Extractor
 from beam_prefix.metrics import NAMESPACE
-from beam_prefix.model import EMBEDDED, LoadedModel
+from beam_prefix.model import EMBEDDED
 from beam_prefix.schemas import input_fields, kept_fields
-from beam_prefix.transforms import ClassifyResult, as_rows, batched_step, batching_args
+from beam_prefix.step import StepConfig, StepResult, as_rows, batched_step, batching_args, stamp
+from beam_prefix.worker import PrefixStepDoFn
 
 __all__ = ["ExtractFields", "ExtractConfig", "ExtractFieldsDoFn", "EXTRACTED_TAG", "extracted_type"]
 
@@ -46,6 +46,7 @@ class ExtractConfig(StepConfig):
     """An extraction step's settings (those of `StepConfig`)."""
 
     DEFAULT_PREFIX = "extract_"
+    engine = Extractor
 
     task: ExtractionSpec = None  # type: ignore[assignment]  (required: checked below)
 
@@ -58,9 +59,6 @@ class ExtractConfig(StepConfig):
         """The columns extraction adds to each row, in order (unprefixed)."""
         version = ["task_version"] if self.task.version is not None else []
         return [*self.task.field_names, "raw_output", "truncated", *version, "prompt_fingerprint", "model"]
-
-    def build_engine(self, loaded: LoadedModel) -> Extractor:
-        return Extractor(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify)
 
 
 class ExtractFieldsDoFn(PrefixStepDoFn):
@@ -99,7 +97,7 @@ class ExtractFieldsDoFn(PrefixStepDoFn):
         out[config.column("prompt_fingerprint")] = extractor.fingerprint
         out[config.column("model")] = extractor.model_id
         self._extracted.inc()
-        yield _stamp(out, timestamp)
+        yield stamp(out, timestamp)
 
 
 def extracted_type(config: ExtractConfig, fields) -> RowTypeConstraint:
@@ -122,7 +120,7 @@ class ExtractFields(beam.PTransform):
             at construction, so workers do not need the file).
         model: ``embedded`` (default: the task's model, else embedded), a directory, a
             ``.gguf`` file, a ``gs://`` directory or a hub id.
-        text_column, id_column, dtype, threads, verify, keep_columns: as for `ClassifyText`.
+        text_column, id_column, dtype, threads, verify, keep_columns, device: as for `ClassifyText`.
         batch_size: rows decoded together (default 64).
         min_batch_size, max_batch_size, max_batch_duration_secs: `beam.BatchElements`
             settings, as for `ClassifyText`, except that `min_batch_size` defaults to
@@ -145,7 +143,7 @@ class ExtractFields(beam.PTransform):
                  max_batch_duration_secs: float | None = None, batch_size: int = 64,
                  max_text_tokens: int | None = None, overflow: str | None = None, max_new_tokens: int | None = None,
                  verify: bool = True, keep_columns=None, metadata_prefix: str | None = None,
-                 label: str | None = None):
+                 device: str = "cpu", label: str | None = None):
         super().__init__(label)
         spec = task if isinstance(task, ExtractionSpec) else load_task(task)
         if not isinstance(spec, ExtractionSpec):
@@ -158,7 +156,7 @@ class ExtractFields(beam.PTransform):
         self._config = ExtractConfig(task=spec, model=model or spec.model or EMBEDDED, text_column=text_column,
                                      id_column=id_column, dtype=dtype, threads=threads, batch_size=batch_size,
                                      verify=verify, keep_columns=None if keep_columns is None else tuple(keep_columns),
-                                     metadata_prefix=metadata_prefix)
+                                     metadata_prefix=metadata_prefix, device=device)
         self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs,
                                        start_full=True)
 
@@ -178,5 +176,5 @@ class ExtractFields(beam.PTransform):
         return ExtractResult(extracted=extracted, failed=failed, _records=records)
 
 
-class ExtractResult(ClassifyResult):
+class ExtractResult(StepResult):
     """`ExtractFields`' outputs: ``extracted`` and ``failed``, as attributes or keys."""

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Optional, Sequence
 from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult
 
 from beam_prefix.classifier import PrefixClassifier
-from beam_prefix.model import EMBEDDED, load_tokenizer
+from beam_prefix.model import EMBEDDED, check_device, load_tokenizer
 from beam_prefix.prompt import EncodedText, PromptLayout
 from beam_prefix.task import TaskSpec
 
@@ -122,7 +122,8 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
         task: a `TaskSpec` or a task YAML path (read at construction).
         model: model spec (default: the task's, else ``embedded``); RunInference's model
             updates (`update_model_path`) replace it.
-        dtype, threads: as for `PrefixClassifier.load`.
+        dtype, threads, device: as for `PrefixClassifier.load` (``device``: ``cpu``,
+            ``cuda``, ``cuda:N`` or ``auto``).
         batch_size: rows per forward pass; also the default `max_batch_size`.
         verify: cached-vs-full self-check at load.
         validate_texts: validate each text in a preprocessing step (see the module doc).
@@ -131,20 +132,21 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
     """
 
     def __init__(self, *, task: TaskSpec | str, model: str | None = None, dtype: str = "float32",
-                 threads: int | None = None, batch_size: int = 16, verify: bool = True,
+                 threads: int | None = None, device: str = "cpu", batch_size: int = 16, verify: bool = True,
                  validate_texts: bool = True, min_batch_size: int = 1, max_batch_size: int | None = None,
                  **kwargs):
         super().__init__(min_batch_size=min_batch_size, max_batch_size=max_batch_size or batch_size, **kwargs)
         self._task = task if isinstance(task, TaskSpec) else TaskSpec.from_yaml(task)
         self._model = model or self._task.model or EMBEDDED
-        self._dtype, self._threads, self._verify = dtype, threads, verify
+        check_device(device, dtype)
+        self._dtype, self._threads, self._verify, self._device = dtype, threads, verify, device
         self._batch_size = batch_size
         self._validate_texts = validate_texts
 
     def load_model(self) -> ServedClassifier:
         return ServedClassifier(PrefixClassifier.load(
-            self._task, self._model, dtype=self._dtype, threads=self._threads, batch_size=self._batch_size,
-            verify=self._verify), key=_key(self._model, self._task))
+            self._task, self._model, dtype=self._dtype, threads=self._threads, device=self._device,
+            batch_size=self._batch_size, verify=self._verify), key=_key(self._model, self._task))
 
     def update_model_path(self, model_path: Optional[str] = None):
         """Use `model_path` from the next `load_model` on (RunInference's model updates); the

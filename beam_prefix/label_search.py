@@ -33,22 +33,21 @@ in exhaustive scoring), instead of one round per trie level.
 
 Nothing outlives the call: the suffixes' and nodes' keys and values live in the call's
 `CallState` (or in the working cache, cropped on exit), and nothing is shared between
-threads.
+threads. This module holds the search's state (`Search`) and its rounds' steps
+(`node_step`); `label_scorers.PrunedTrieScorer` runs them through `engine.forward`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Sequence
 
 import torch
 
-from beam_prefix.engine import CallState, Step, forward
-from beam_prefix.prefix_cache import PrefixCache, WorkingCache
-from beam_prefix.scoring import LabelTrie, OutputHead
+from beam_prefix.engine import CallState, Step
+from beam_prefix.labels import LabelTrie
+from beam_prefix.output_head import OutputHead
 
-__all__ = ["search_labels", "DEFAULT_TOLERANCE"]
+__all__ = ["Search", "node_step", "DEFAULT_TOLERANCE"]
 
 DEFAULT_TOLERANCE = 1e-5
 # a round that would pick at least this share of a row's frontier (of at least
@@ -57,52 +56,17 @@ BULK_SHARE = 0.75
 BULK_MIN_FRONTIER = 16
 
 
-def search_labels(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequence[Sequence[int]],
-                  trie: LabelTrie, *, tolerance: float = DEFAULT_TOLERANCE,
-                  calibration: torch.Tensor | None = None,
-                  working: WorkingCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw label scores ``[B, K]`` (log-probabilities of each label's tokens after its row's
-    prompt, as `scoring.score_cached` returns in sequence mode) and the trie tokens run per
-    row ``[B]``.
-
-    Args:
-        calibration: ``[K]`` log-space offsets subtracted before normalising (None: off).
-        working: the expanded engine's working cache (None: shared-prefix attention).
-    """
-    step = Step.suffixes(suffixes, prefix.length)
-    batch = step.ids.shape[0]
-    lengths = step.lengths
-    call = CallState(batch)
-    search = _Search(trie, batch, tolerance, calibration)
-    with torch.inference_mode():
-        seat = working.use(batch, plain=True) if working is not None else contextlib.nullcontext()
-        with seat as cache:
-            hidden = forward(model, prefix, step, cache=cache, call=call)
-            search.expand_root(head, hidden[torch.arange(batch), lengths - 1])
-            column = torch.full((batch, trie.size), -1, dtype=torch.long)  # node -> its column in the call
-            while True:
-                nodes, real = search.choose()
-                if not bool(real.any()):
-                    break
-                node_step = _node_step(trie, nodes, real, step, call, column, prefix.length + lengths)
-                start = call.length
-                hidden = forward(model, prefix, node_step, cache=cache, call=call)
-                rows, cols = real.nonzero(as_tuple=True)
-                column[rows, nodes[rows, cols]] = start + cols
-                search.expand(head, hidden[rows, cols], rows, nodes[rows, cols])
-    return search.raw_scores(), search.expanded.sum(-1)
-
-
-def _node_step(trie: LabelTrie, nodes: torch.Tensor, real: torch.Tensor, suffix: Step, call: CallState,
+def node_step(trie: LabelTrie, nodes: torch.Tensor, real: torch.Tensor, suffix: Step, call: CallState,
                column: torch.Tensor, ends: torch.Tensor) -> Step:
     """A round's nodes ``[B, Q]`` as a step: each sees its row's suffix and ancestors,
     those expanded earlier (in the call's columns) and those in this round."""
     batch, q = nodes.shape
     n = call.length
-    see_past = torch.zeros(batch, q, n + 1, dtype=torch.bool)
+    device = nodes.device
+    see_past = torch.zeros(batch, q, n + 1, dtype=torch.bool, device=device)
     width = suffix.ids.shape[1]
     see_past[:, :, :width] = suffix.real[:, None, :]
-    eye = torch.eye(trie.size, dtype=torch.bool)
+    eye = torch.eye(trie.size, dtype=torch.bool, device=device)
     above = trie.ancestors[nodes] & ~eye[nodes]  # [B, Q, T] strict ancestors, all expanded
     earlier = above & (column[:, None, :] >= 0)
     where = torch.where(earlier, column[:, None, :], torch.full_like(column[:, None, :], n))
@@ -114,20 +78,21 @@ def _node_step(trie: LabelTrie, nodes: torch.Tensor, real: torch.Tensor, suffix:
                 see_new=see_new, see_past=see_past)
 
 
-class _Search:
+class Search:
     """Per-row search state over one trie (all tensors ``[B, ...]``, local to one call)."""
 
     def __init__(self, trie: LabelTrie, batch: int, tolerance: float, calibration: torch.Tensor | None):
         if not tolerance > 0:
             raise ValueError(f"label tolerance must be > 0, got {tolerance}")
         self.trie = trie
+        device = self.device = trie.tokens.device
         n_edges = trie.edge_token.shape[0]
-        self.path = torch.full((batch, n_edges), float("-inf"))  # log P(edge's target | prompt)
-        self.known = torch.zeros(batch, n_edges, dtype=torch.bool)
-        self.expanded = torch.zeros(batch, trie.size, dtype=torch.bool)
+        self.path = torch.full((batch, n_edges), float("-inf"), device=device)  # log P(edge's target | prompt)
+        self.known = torch.zeros(batch, n_edges, dtype=torch.bool, device=device)
+        self.expanded = torch.zeros(batch, trie.size, dtype=torch.bool, device=device)
         self.log_tolerance = math.log(tolerance)
         k = trie.label_final.shape[0]
-        self.offsets = calibration.float() if calibration is not None else torch.zeros(k)
+        self.offsets = calibration.float() if calibration is not None else torch.zeros(k, device=device)
         inf = torch.full_like(trie.node_labels, float("inf"), dtype=torch.float32)
         # smallest offset below each node: the largest weight any of its labels can get
         self.node_offsets = torch.where(trie.node_labels, self.offsets[None], inf).amin(-1)
@@ -143,7 +108,7 @@ class _Search:
         edges, mask = self.trie.children[0], self.trie.children_mask[0]
         logp = head.logits_for(last, self.trie.edge_token[edges]) - head.logsumexp(last)[:, None]
         batch = last.shape[0]
-        rows = torch.arange(batch)
+        rows = torch.arange(batch, device=self.device)
         self._set(rows, edges[None].expand(batch, -1), mask[None].expand(batch, -1), logp)
 
     def expand(self, head: OutputHead, hidden: torch.Tensor, rows: torch.Tensor, nodes: torch.Tensor) -> None:
@@ -191,7 +156,7 @@ class _Search:
             take = torch.where(bulk, rest.sum(-1), take)
             order = torch.where(bulk[:, None], (~rest).long().argsort(dim=-1, stable=True), order)
         width = max(int(take.max()), 1)
-        real = torch.arange(width)[None] < take[:, None]
+        real = torch.arange(width, device=self.device)[None] < take[:, None]
         nodes = torch.where(real, order[:, :width], torch.zeros_like(order[:, :width]))
         return nodes, real
 
@@ -202,11 +167,12 @@ class _Search:
         final = trie.label_final
         batch = self.path.shape[0]
         exact = self.path[:, final]
-        expanded = torch.cat([self.expanded, torch.ones(batch, 1, dtype=torch.bool)], dim=-1)
+        device = self.device
+        expanded = torch.cat([self.expanded, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=-1)
         on_path = expanded[:, trie.label_nodes]  # [B, K, L]
         first = (~on_path).float().argmax(-1)  # first unexpanded node on the path
-        node = trie.label_nodes[torch.arange(final.shape[0])[None], first]  # [B, K]
-        node_path = torch.cat([self.path[:, trie.node_edge], torch.zeros(batch, 1)], dim=-1)
-        counts = torch.cat([self.node_counts, torch.ones(1, dtype=torch.long)])
+        node = trie.label_nodes[torch.arange(final.shape[0], device=device)[None], first]  # [B, K]
+        node_path = torch.cat([self.path[:, trie.node_edge], torch.zeros(batch, 1, device=device)], dim=-1)
+        counts = torch.cat([self.node_counts, torch.ones(1, dtype=torch.long, device=device)])
         shared = torch.gather(node_path, 1, node) - counts[node].float().log()
         return torch.where(self.known[:, final], exact, shared)

@@ -11,32 +11,21 @@ import time
 
 from apache_beam.metrics import Metrics
 
-__all__ = ["ClassifyMetrics", "ProgressLog", "NAMESPACE", "STARTUP_METRICS"]
+__all__ = ["StepMetrics", "COUNTERS", "DISTRIBUTIONS", "ProgressLog", "NAMESPACE", "STARTUP_METRICS"]
 
 NAMESPACE = "beam_prefix"
 _LOGGER = logging.getLogger(__name__)
 
 
-class ClassifyMetrics:
-    """Counters and distributions updated by the classify DoFn."""
+class StepMetrics:
+    """Counters and distributions a prefix-cached step's DoFn updates (each attribute is
+    the metric of the same name in `COUNTERS` / `DISTRIBUTIONS`)."""
 
     def __init__(self):
-        self.rows_classified = Metrics.counter(NAMESPACE, "rows_classified")
-        self.rows_failed = Metrics.counter(NAMESPACE, "rows_failed")
-        self.rows_truncated = Metrics.counter(NAMESPACE, "rows_truncated")
-        self.prefix_tokens_reused = Metrics.counter(NAMESPACE, "prefix_tokens_reused")
-        # every token run per row: the suffix and its label tokens
-        self.suffix_tokens_computed = Metrics.counter(NAMESPACE, "suffix_tokens_computed")
-        # of those, label-trie tokens (what pruned label search saves shows here)
-        self.label_tokens_computed = Metrics.counter(NAMESPACE, "label_tokens_computed")
-        self.batch_size = Metrics.distribution(NAMESPACE, "batch_size_rows")
-        self.batch_latency = Metrics.distribution(NAMESPACE, "batch_latency_micros")
-        self.model_retries = Metrics.counter(NAMESPACE, "batches_retried_row_by_row")
-        # routed steps (beam_prefix.routing): the worker's prefix pool, per batch
-        self.prefix_builds = Metrics.counter(NAMESPACE, "prefix_builds")
-        self.prefix_hits = Metrics.counter(NAMESPACE, "prefix_hits")
-        self.prefix_evictions = Metrics.counter(NAMESPACE, "prefix_evictions")
-        self.prefix_pool_bytes = Metrics.distribution(NAMESPACE, "prefix_pool_bytes")
+        for attribute, name in COUNTERS.items():
+            setattr(self, attribute, Metrics.counter(NAMESPACE, name))
+        for attribute, name in DISTRIBUTIONS.items():
+            setattr(self, attribute, Metrics.distribution(NAMESPACE, name))
         # once per prefix cache built (per worker process and task): what start-up cost
         self.startup = {name: Metrics.distribution(NAMESPACE, metric) for name, metric in STARTUP_METRICS.items()}
 
@@ -58,6 +47,24 @@ class ClassifyMetrics:
             if name in self.startup:
                 self.startup[name].update(int(round(value * 1e3)))
 
+
+# attribute -> counter name
+COUNTERS = {
+    "rows_classified": "rows_classified",
+    "rows_failed": "rows_failed",
+    "rows_truncated": "rows_truncated",
+    "prefix_tokens_reused": "prefix_tokens_reused",
+    "suffix_tokens_computed": "suffix_tokens_computed",  # every token run per row: the suffix and its label tokens
+    "label_tokens_computed": "label_tokens_computed",  # of those, label-trie tokens (what pruned search saves)
+    "model_retries": "batches_retried_row_by_row",
+    # routed steps (beam_prefix.routing): the worker's prefix pool, per batch
+    "prefix_builds": "prefix_builds",
+    "prefix_hits": "prefix_hits",
+    "prefix_evictions": "prefix_evictions",
+}
+# attribute -> distribution name
+DISTRIBUTIONS = {"batch_size": "batch_size_rows", "batch_latency": "batch_latency_micros",
+                 "prefix_pool_bytes": "prefix_pool_bytes"}
 
 # start-up report keys -> distribution names (`*_s` in ms; `*_ms_per_row` in us)
 STARTUP_METRICS = {

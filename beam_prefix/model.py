@@ -32,7 +32,7 @@ import torch
 
 from beam_prefix.errors import ModelLoadError
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "check_device", "resolve_device", "DEVICES", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -86,6 +86,37 @@ def embedded_gguf_path() -> str:
     return path
 
 
+DEVICES = ("cpu", "cuda", "cuda:N", "auto")
+
+
+def check_device(device: str, dtype: str = "float32") -> None:
+    """Refuse a device that is not ``cpu``, ``cuda``, ``cuda:N`` or ``auto``, and float16 on
+    the CPU (where it is not a compute type worth having); checked where a step is built."""
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if dtype in ("float16", "fp16") and device == "cpu":
+        raise ValueError("dtype float16 is for GPUs (device cuda or auto); on the CPU use float32 or bfloat16")
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device `device` names (``auto``: the first GPU where there is one).
+
+    Raises:
+        ModelLoadError: a CUDA device on a machine without it.
+    """
+    check_device(device)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r}: this torch has no CUDA device here (torch "
+                                 f"{torch.__version__}, cuda available: False); use device cpu or auto")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return torch.device(device)
+
+
 def set_torch_threads(threads: int | None) -> None:
     """Set torch's intra-op thread count for this process (None: leave torch's default)."""
     if threads is not None:
@@ -100,7 +131,7 @@ def model_id(spec: str) -> str:
 
 
 def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
+               device: str = "cpu", trust_remote_code: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer for classification.
 
     Args:
@@ -108,6 +139,8 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
             readable by Beam's FileSystems, or a hub id.
         dtype: ``float32`` (exact, default), ``bfloat16`` or ``float16``.
         threads: torch intra-op threads for this process.
+        device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``: where the model is placed
+            (and so every tensor of the engine's calls).
         trust_remote_code: allow model code from the model repository.
 
     Raises:
@@ -115,6 +148,7 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
     """
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    place = resolve_device(device)
     set_torch_threads(threads)
     start = time.perf_counter()
     if spec == EMBEDDED:
@@ -125,10 +159,10 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
         loaded = _from_directory(_copy_remote(spec), spec, trust_remote_code=trust_remote_code)
     else:
         loaded = _from_directory(spec, spec, trust_remote_code=trust_remote_code)
-    loaded.model.to(_DTYPES[dtype])
+    loaded.model.to(device=place, dtype=_DTYPES[dtype])
     loaded.model.eval()
     loaded.load_s = time.perf_counter() - start
-    _LOGGER.info("loaded model %s (%s) in %.1f s", loaded.model_id, dtype, loaded.load_s)
+    _LOGGER.info("loaded model %s (%s, %s) in %.1f s", loaded.model_id, dtype, place, loaded.load_s)
     return loaded
 
 

@@ -7,7 +7,11 @@ row text, and cuts it into:
 * ``prefix_ids``: every static token before the row text, computed once and cached;
 * a per-row suffix: the rest of the row's text span, the text, and the static tail
   (e.g. ``<|im_end|>\\n<|im_start|>assistant\\n``);
-* label continuations: each label's tokens followed by a terminator, for scoring.
+* the answer format after it (`label_lead`, `terminator`), from which classification
+  derives each label's tokens (`beam_prefix.labels`).
+
+The layout knows no kind of task: a `task.PromptTask` answers what it asks (system text,
+example turns, static strings); the text itself is written by `beam_prefix.prompt_render`.
 
 The *natural* encoding of a prompt, the reference the cache must reproduce, splits only
 at added (special) tokens, as a tokenizer does with the whole prompt string, except that
@@ -32,15 +36,15 @@ import weakref
 from typing import Sequence
 
 from beam_prefix.errors import BoundaryError, RowError, TaskSpecError, TextTooLongError
-from beam_prefix.task import TaskSpec
+from beam_prefix.prompt_render import (added_token_strings, chat_terminator, first_special_start,
+                                      last_special_end, render_chat, render_plain)
+from beam_prefix.task import PromptTask
 
 __all__ = ["PromptLayout", "EncodedText", "PROBE_TEXTS"]
 
 _LOGGER = logging.getLogger(__name__)
 
 _SENTINEL = "@@BEAM_PREFIX_TEXT_SLOT@@"
-_LABEL_SENTINEL = "@@BEAM_PREFIX_LABEL_SLOT@@"
-_PLAIN_ANSWER_LEAD = "Answer:"
 
 # Texts used to check the boundary: letters, digits, punctuation, non-ASCII, and a
 # control string that must stay plain text.
@@ -79,7 +83,7 @@ class PromptLayout:
     Build it with `PromptLayout.build`; the constructor takes already computed parts.
     """
 
-    def __init__(self, *, tokenizer, task: TaskSpec, mode: str, head_static: str, lead: str,
+    def __init__(self, *, tokenizer, task: PromptTask, mode: str, head_static: str, lead: str,
                  split: int, tail: str, after: str, bos_ids: tuple[int, ...],
                  label_lead: str, terminator: str):
         self.tokenizer = tokenizer
@@ -97,12 +101,11 @@ class PromptLayout:
         self._prefix_lead_ids = self._encode_plain(lead[:split])
         self._after_ids = self._encode_static(after)
         self.prefix_ids: tuple[int, ...] = self._head_ids + self._prefix_lead_ids
-        self.label_ids: tuple[tuple[int, ...], ...] = ()  # set by `_derive_label_ids`
 
     # -- construction -------------------------------------------------------------------
 
     @classmethod
-    def build(cls, task: TaskSpec, tokenizer, *, probes: Sequence[str] = PROBE_TEXTS) -> "PromptLayout":
+    def build(cls, task: PromptTask, tokenizer, *, probes: Sequence[str] = PROBE_TEXTS) -> "PromptLayout":
         """Render `task` for `tokenizer` and choose a token-clean prefix/suffix split.
 
         Raises:
@@ -110,21 +113,21 @@ class PromptLayout:
                 does not tokenize cleanly after the prompt.
         """
         mode = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
-        _refuse_control_strings(task, _added_token_strings(tokenizer, special_only=True))
+        _refuse_control_strings(task, added_token_strings(tokenizer, special_only=True))
         if mode == "chat":
-            rendered = _render_chat(task, tokenizer, _SENTINEL)
-            label_lead, terminator = "", _chat_terminator(task, tokenizer)
+            rendered = render_chat(task, tokenizer, _SENTINEL)
+            label_lead, terminator = "", chat_terminator(task, tokenizer)
         else:
-            rendered = _render_plain(task, _SENTINEL)
+            rendered = render_plain(task, _SENTINEL)
             label_lead, terminator = " ", "\n"
         if rendered.count(_SENTINEL) != 1:
             raise BoundaryError(
                 "the chat template did not keep the row text slot exactly once; "
                 "the template may be rewriting message content")
         before, after_text = rendered.split(_SENTINEL)
-        specials = _added_token_strings(tokenizer)
-        cut_head = _last_special_end(before, specials)
-        cut_tail = _first_special_start(after_text, specials)
+        specials = added_token_strings(tokenizer)
+        cut_head = last_special_end(before, specials)
+        cut_tail = first_special_start(after_text, specials)
         head_static, lead = before[:cut_head], before[cut_head:]
         tail, after = after_text[:cut_tail], after_text[cut_tail:]
         bos_ids = () if mode == "chat" else _bos_ids(tokenizer)
@@ -140,8 +143,6 @@ class PromptLayout:
                          label_lead=label_lead, terminator=terminator)
             bad = [p for p in probes if not layout._is_clean(p)]
             if not bad:
-                if task.kind == "classify":
-                    layout._derive_label_ids(probes[:3])
                 if split != len(lead):
                     _LOGGER.info("prefix boundary moved back %d chars (%r stays in the suffix) "
                                  "to keep it token-clean", len(lead) - split, lead[split:])
@@ -190,30 +191,11 @@ class PromptLayout:
         natural encoding of the row's span starts with the prefix's tokens."""
         return self._suffix_ids(text) is not None
 
-    def _with_continuation(self, text: str, cont: str) -> tuple[int, ...]:
+    def continuation_ids(self, text: str, cont: str) -> tuple[int, ...]:
         """Natural ids of the prompt for `text` followed by `cont` (e.g. a label)."""
         if self._after:
             return self._head_ids + self._encode_plain(self._span(text)) + self._encode_static(self._after + cont)
         return self._head_ids + self._encode_plain(self._span(text, cont))
-
-    def _derive_label_ids(self, probes: Sequence[str]) -> None:
-        """Each label's tokens as the tokenizer writes them after the prompt; the same on
-        every probe, or the label boundary is not clean."""
-        label_ids = []
-        for name in self.task.label_names:
-            cont = self.label_lead + name + self.terminator
-            found = set()
-            for probe in probes:
-                base = self.natural_ids(probe)
-                ids = self._with_continuation(probe, cont)
-                found.add(ids[len(base):] if ids[:len(base)] == base else None)
-            if len(found) != 1 or None in found or not next(iter(found)):
-                raise BoundaryError(
-                    f"label {name!r} does not tokenize cleanly after the prompt: the prompt ends "
-                    f"with {(self._tail + self._after)[-20:]!r} and the label continuation "
-                    f"{cont!r} merges with it; rename the label or end the prompt with a separator")
-            label_ids.append(next(iter(found)))
-        self.label_ids = tuple(label_ids)
 
     def encode(self, text: str) -> EncodedText:
         """Encode one row's text for the cached path, applying the token budget.
@@ -269,43 +251,37 @@ class PromptLayout:
     # -- identity -----------------------------------------------------------------------
 
     @property
-    def prefix_text(self) -> str:
-        """The cached prefix as text."""
-        return self._head_static + self._lead[:self._split]
-
-    @property
     def prefix_length(self) -> int:
         return len(self.prefix_ids)
 
-    def max_positions(self) -> dict[str, int]:
+    def max_positions(self, answer_tokens: int) -> dict[str, int]:
         """The most positions one row's prompt takes, by part: ``prefix``, ``suffix`` (the
         template's static text around the row), ``text`` (the budget, `max_text_tokens`)
-        and ``answer`` (the longest label continuation scored after the suffix, or an
-        extraction's `max_new_tokens`)."""
+        and ``answer`` (`answer_tokens`: what follows the suffix, e.g. the longest label)."""
         probe = "x"
         static = len(self.suffix_for(probe)) - len(self._encode_plain(probe))
-        answer = (max((len(ids) for ids in self.label_ids), default=0) if self.task.kind == "classify"
-                  else self.task.max_new_tokens)
         return {"prefix": self.prefix_length, "suffix": max(static, 0), "text": self.task.max_text_tokens,
-                "answer": answer}
+                "answer": answer_tokens}
 
-    def fingerprint(self, model_id: str) -> str:
-        """A stable hash of everything that shapes the scores: exact prefix ids, the static
-        suffix parts, the label continuations and the model id."""
+    def fingerprint(self, model_id: str, answer: dict) -> str:
+        """A stable hash of everything that shapes the outputs: exact prefix ids, the static
+        suffix parts, the model id, and `answer` (what the engine's kind adds: the label
+        continuations, or the output schema and budget)."""
         payload = {
             "prefix_ids": list(self.prefix_ids),
             "suffix_static": [self._lead[self._split:], self._tail, list(self._after_ids)],
             "model": model_id,
+            **answer,
         }
-        if self.task.kind == "classify":
-            payload.update(labels=list(self.task.label_names), label_ids=[list(ids) for ids in self.label_ids])
-        else:  # the output schema and the decoding budget shape what is generated
-            payload.update(kind=self.task.kind, schema=self.task.json_schema(),
-                           max_new_tokens=self.task.max_new_tokens)
         if self.task.version is not None:  # (absent otherwise: unversioned fingerprints unchanged)
             payload["version"] = self.task.version
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
         return digest[:16]
+
+    @property
+    def ending(self) -> str:
+        """The prompt's static text after the row's text (what an answer follows)."""
+        return self._tail + self._after
 
     def describe(self) -> str:
         return (f"{self.mode} prompt, {self.prefix_length} prefix tokens, suffix = "
@@ -351,53 +327,7 @@ def _clean_text(text) -> str:
     return text
 
 
-def _chat_messages(task: TaskSpec, text: str) -> list[dict]:
-    messages = [{"role": "system", "content": task.system_text()}]
-    for example, answer in task.example_turns():
-        messages.append({"role": "user", "content": task.render_suffix(example)})
-        messages.append({"role": "assistant", "content": answer})
-    messages.append({"role": "user", "content": task.render_suffix(text)})
-    return messages
-
-
-def _apply_template(tokenizer, messages, *, add_generation_prompt: bool) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception:  # templates without a system role: fold it into the first user turn
-        system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
-        rest[0]["content"] = system + "\n\n" + rest[0]["content"]
-        return tokenizer.apply_chat_template(rest, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-
-
-def _render_chat(task: TaskSpec, tokenizer, text: str) -> str:
-    return _apply_template(tokenizer, _chat_messages(task, text), add_generation_prompt=True)
-
-
-def _chat_terminator(task: TaskSpec, tokenizer) -> str:
-    """What the template writes right after an assistant answer, up to its first added token."""
-    messages = _chat_messages(task, "x") + [{"role": "assistant", "content": _LABEL_SENTINEL}]
-    rendered = _apply_template(tokenizer, messages, add_generation_prompt=False)
-    after = rendered.split(_LABEL_SENTINEL, 1)[1] if _LABEL_SENTINEL in rendered else ""
-    specials = _added_token_strings(tokenizer)
-    start = _first_special_start(after, specials)
-    if start < len(after):
-        end = start + max(len(s) for s in specials if after.startswith(s, start))
-        return after[:end]
-    newline = after.find("\n")
-    return after[:newline + 1] if newline >= 0 else "\n"
-
-
-def _render_plain(task: TaskSpec, text: str) -> str:
-    blocks = [task.system_text()]
-    for example, answer in task.example_turns():
-        blocks.append(f"{task.render_suffix(example)}\n{_PLAIN_ANSWER_LEAD} {answer}")
-    blocks.append(f"{task.render_suffix(text)}\n{_PLAIN_ANSWER_LEAD}")
-    return "\n\n".join(blocks)
-
-
-def _refuse_control_strings(task: TaskSpec, specials: Sequence[str]) -> None:
+def _refuse_control_strings(task: PromptTask, specials: Sequence[str]) -> None:
     """Labels, fields and examples are rendered into the prompt as static text, which the
     tokenizer parses for control tokens: one holding `<|im_end|>` would end a turn. Only
     *special* added tokens are control tokens; a non-special added token (Gemma-3's
@@ -407,32 +337,6 @@ def _refuse_control_strings(task: TaskSpec, specials: Sequence[str]) -> None:
         if found is not None:
             raise TaskSpecError(f"{where} contains the tokenizer's control string {found!r}, which would be "
                                 f"read as a control token in the prompt; remove it")
-
-
-def _added_token_strings(tokenizer, *, special_only: bool = False) -> list[str]:
-    """The added tokens' strings, longest first (where a tokenizer splits text before its
-    model runs); `special_only`: only the special ones (control tokens)."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return sorted({t.content for t in decoder.values() if t.content and (t.special or not special_only)},
-                  key=len, reverse=True)
-
-
-def _last_special_end(s: str, specials: Sequence[str]) -> int:
-    end = 0
-    for tok in specials:
-        i = s.rfind(tok)
-        if i >= 0:
-            end = max(end, i + len(tok))
-    return end
-
-
-def _first_special_start(s: str, specials: Sequence[str]) -> int:
-    start = len(s)
-    for tok in specials:
-        i = s.find(tok)
-        if i >= 0:
-            start = min(start, i)
-    return start
 
 
 def _bos_ids(tokenizer) -> tuple[int, ...]:

@@ -37,9 +37,9 @@ from apache_beam.metrics import Metrics
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, CombiningValueStateSpec, TimerSpec, on_timer
 
-from beam_prefix.dofn import (FAILED_TAG, ClassifyConfig, PrefixCachedClassifyDoFn, _as_dict, _stamp,
-                              _unstamp, failed_record)
+from beam_prefix.dofn import ClassifyConfig, PrefixCachedClassifyDoFn
 from beam_prefix.metrics import NAMESPACE
+from beam_prefix.step import FAILED_TAG, as_dict, failed_record, stamp, unstamp
 from beam_prefix.task import TaskSpec
 
 __all__ = ["load_tasks", "TaskRoutes", "KeyByTask", "BatchPerTask", "RoutedClassifyDoFn", "MAX_TASK_METRICS",
@@ -120,13 +120,13 @@ class KeyByTask(beam.DoFn):
         self._config = self.routes.configs[0][1]  # text and id columns: the same for every task
 
     def process(self, element):
-        row, ts = _unstamp(element)
+        row, ts = unstamp(element)
         config = self._config
         try:
-            as_dict = _as_dict(row, config.text_column)
-            key = as_dict.get(self.routes.column)
+            fields = as_dict(row, config.text_column)
+            key = fields.get(self.routes.column)
         except Exception as e:  # noqa: BLE001 - one row's problem fails that row
-            as_dict, key, error = {"value": repr(row)[:200]}, None, f"{type(e).__name__}: {e}"
+            fields, key, error = {"value": repr(row)[:200]}, None, f"{type(e).__name__}: {e}"
         else:
             error = None
         if error is None and isinstance(key, str) and key in self._known:
@@ -134,12 +134,12 @@ class KeyByTask(beam.DoFn):
             return
         if error is None:
             shown = repr(key)[:80]
-            error = (f"column {self.routes.column!r} is missing" if self.routes.column not in as_dict else
+            error = (f"column {self.routes.column!r} is missing" if self.routes.column not in fields else
                      f"no task {shown} (known: {self.routes.describe_keys()})")
         Metrics.counter(NAMESPACE, "rows_failed").inc()
-        id_value = as_dict.get(config.id_column) if config.id_column else None
-        yield beam.pvalue.TaggedOutput(FAILED_TAG, _stamp(failed_record(
-            as_dict, id_value=id_value, reason="unknown_task", error=error, stage="validate"), ts))
+        id_value = fields.get(config.id_column) if config.id_column else None
+        yield beam.pvalue.TaggedOutput(FAILED_TAG, stamp(failed_record(
+            fields, id_value=id_value, reason="unknown_task", error=error, stage="validate"), ts))
 
 
 class BatchPerTask(beam.DoFn):
@@ -198,6 +198,6 @@ class RoutedClassifyDoFn(PrefixCachedClassifyDoFn):
                 groups.setdefault(key, []).append(row)
         for key, rows in groups.items():
             config = self._configs[key]
-            used = self._holder.use(config)
+            used = self._holder.use(self.step_name, config)
             self._metrics.prefix_use(used, task=self._holder.task_metric_name(key, MAX_TASK_METRICS), rows=len(rows))
-            yield from self._run_rows(used.classifier.fork(), config, rows)
+            yield from self._run_rows(used.engine.fork(), config, rows)

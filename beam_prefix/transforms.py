@@ -18,11 +18,13 @@ import typing
 import apache_beam as beam
 from apache_beam.options.pipeline_options import StandardOptions
 
-from beam_prefix.dofn import FAILED_TAG, LABELED_TAG, ClassifyConfig, PrefixCachedClassifyDoFn, Stamped
+from beam_prefix.dofn import LABELED_TAG, ClassifyConfig, PrefixCachedClassifyDoFn
 from beam_prefix.model import EMBEDDED
 from beam_prefix.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB
 from beam_prefix.routing import BatchPerTask, KeyByTask, RoutedClassifyDoFn, TaskRoutes, load_tasks
-from beam_prefix.schemas import FAILED_TYPE, ToRow, failed_row, input_fields, labeled_type
+from beam_prefix.schemas import input_fields, labeled_type
+from beam_prefix.step import (FAILED_TAG, StepResult, as_rows, batched_step, batching_args, refuse_clashing_fields,
+                              with_timestamp)
 from beam_prefix.task import TaskSpec
 
 __all__ = ["ClassifyText", "ClassifyResult", "batched_step", "batching_args", "as_rows"]
@@ -43,7 +45,7 @@ class ClassifyText(beam.PTransform):
             ``.gguf`` file, a ``gs://`` directory or a hub id.
         text_column: column holding the text.
         id_column: optional id column echoed in failed rows.
-        dtype: ``float32`` (exact, default) or ``bfloat16``.
+        dtype: ``float32`` (exact, default), ``bfloat16`` or (on GPUs) ``float16``.
         threads: torch intra-op threads per worker process.
         min_batch_size, max_batch_size: `beam.BatchElements` bounds (max defaults to
             max(64, 4 x batch_size), min to min(8, max_batch_size)).
@@ -68,6 +70,8 @@ class ClassifyText(beam.PTransform):
         metadata_prefix: a prefix for the metadata columns (``truncated``, ``task``,
             ``task_version``, ``prompt_fingerprint``, ``model``). Default: none, unless the
             input already has such columns (an earlier step's): then ``classify_``.
+        device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``: where each worker
+            process places the model (README, "GPU workers").
 
     Returns:
         a `ClassifyResult`: ``labeled`` and ``failed`` PCollections (as attributes or
@@ -85,7 +89,7 @@ class ClassifyText(beam.PTransform):
                  label_tolerance: float | None = None, top_k: int | None = None,
                  prob_columns: bool | None = None, keep_columns=None, max_batch_duration_secs: float | None = None,
                  tasks=None, task_column: str | None = None, max_prefix_cache_mb: float | None = None,
-                 metadata_prefix: str | None = None, label: str | None = None):
+                 metadata_prefix: str | None = None, device: str = "cpu", label: str | None = None):
         super().__init__(label)
         if (task is None) == (tasks is None):
             raise ValueError("give either task (one prompt) or tasks with task_column (a prompt per row)")
@@ -110,7 +114,7 @@ class ClassifyText(beam.PTransform):
                     batch_size=batch_size, verify=verify, top_k=top_k, prob_columns=prob_columns,
                     keep_columns=None if keep_columns is None else tuple(keep_columns),
                     max_prefix_cache_mb=max_prefix_cache_mb or DEFAULT_MAX_PREFIX_CACHE_MB,
-                    metadata_prefix=metadata_prefix)
+                    metadata_prefix=metadata_prefix, device=device)
         self._routes = TaskRoutes.build(specs, task_column, dict(base)) if tasks is not None else None
         # one task: its config; routed: the first task's (same columns and settings as every task's)
         self._config = ClassifyConfig(task=task, **base) if self._routes is None else self._routes.configs[0][1]
@@ -135,9 +139,9 @@ class ClassifyText(beam.PTransform):
                                            main=LABELED_TAG, label=self.label, step="Classify", **self._batching)
         else:  # grouped by task before batching: each forward pass runs over one prefix
             config = routes.configs[0][1]
-            _refuse_clashing_fields(config, fields, self.label)
+            refuse_clashing_fields(config, fields, self.label)
             batching = {k: v for k, v in self._batching.items() if v is not None}
-            stamped = rows | "KeepTimestamps" >> beam.Map(_stamped)
+            stamped = rows | "KeepTimestamps" >> beam.Map(with_timestamp)
             keyed = stamped | "KeyByTask" >> beam.ParDo(KeyByTask(routes)).with_output_types(
                 typing.Tuple[typing.Tuple[str, int], typing.Any]).with_outputs(FAILED_TAG, main="keyed")
             if rows.pipeline.options.view_as(StandardOptions).streaming:
@@ -159,76 +163,6 @@ class ClassifyText(beam.PTransform):
         return ClassifyResult(labeled=labeled, failed=failed, _records=records)
 
 
-def batching_args(batch_size: int, min_batch_size: int | None, max_batch_size: int | None,
-                  max_batch_duration_secs: float | None, *, start_full: bool = False) -> dict:
-    """`beam.BatchElements` settings for a step running `batch_size` rows per forward pass.
-
-    `start_full`: Beam batches start at `batch_size` rows (default min: 8). Decoding
-    (extraction) wants full batches from the first: a decode step of 64 rows costs little
-    more than one of 8, and BatchElements would otherwise grow from 8 over many batches."""
-    if max_batch_size is None:
-        # several forward batches per Beam batch: fewer per-batch costs, and on the
-        # expanded-cache path (non-sdpa models, which pad) a length-sorted Beam batch
-        # groups similar lengths into each forward pass
-        max_batch_size = max(64, 4 * batch_size, min_batch_size or 1)
-    if min_batch_size is None:
-        min_batch_size = min(batch_size if start_full else 8, max_batch_size)
-    if not 1 <= min_batch_size <= max_batch_size:
-        raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
-    return dict(min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-                max_batch_duration_secs=max_batch_duration_secs)
-
-
-def batched_step(rows, dofn, *, main: str, label: str, step: str, min_batch_size: int, max_batch_size: int,
-                 max_batch_duration_secs: float | None = None):
-    """Rows -> (main output, failed): each row stamped with its own timestamp, batched with
-    `beam.BatchElements`, run by `dofn` (a `PrefixStepDoFn`)."""
-    _refuse_clashing_fields(dofn.config, input_fields(rows.element_type), label)
-    batching = dict(min_batch_size=min_batch_size, max_batch_size=max_batch_size)
-    if max_batch_duration_secs is not None:
-        batching["max_batch_duration_secs"] = max_batch_duration_secs
-    outputs = (rows
-               | "KeepTimestamps" >> beam.Map(_stamped)
-               | "Batch" >> beam.BatchElements(**batching)
-               | step >> beam.ParDo(dofn).with_outputs(FAILED_TAG, main=main))
-    return outputs[main], outputs[FAILED_TAG]
-
-
-def as_rows(main, failed, row_type, name: str, *, top_k: bool = False):
-    """A step's dict outputs as schema'd rows: `main` of `row_type`, `failed` of `FAILED_TYPE`
-    (`top_k`: the step wrote its own ``top_k`` column, see `schemas.ToRow`)."""
-    main = main | name >> beam.Map(ToRow(row_type, top_k=top_k)).with_output_types(row_type)
-    failed = failed | "FailedRows" >> beam.Map(failed_row).with_output_types(FAILED_TYPE)
-    return main, failed
-
-
-def _stamped(row, ts=beam.DoFn.TimestampParam):
-    # a Beam batch carries its window's end as timestamp: each row keeps its own
-    return Stamped(row, ts)
-
-
-def _refuse_clashing_fields(config, fields, label: str) -> None:
-    if fields and config.keep_columns is None:
-        clash = config.clashing([name for name, _ in fields])
-        if clash:
-            raise ValueError(f"{label}: input fields {clash} would be overwritten by output columns of "
-                             f"the same name; rename them, or pass keep_columns without them")
-
-
-class ClassifyResult(dict):
+class ClassifyResult(StepResult):
     """`ClassifyText`'s outputs: ``result.labeled`` / ``result["labeled"]`` and
-    ``result.failed`` / ``result["failed"]`` (a dict, as Beam YAML expects).
-
-    `failed_records` (an attribute, not an output) holds the failed rows before any
-    schema: ``{"row": <the input row's fields, nested values as they came>, ...}``; Beam
-    YAML's error output is built from it, so nested fields pass through unchanged."""
-
-    def __init__(self, *, _records=None, **outputs):
-        super().__init__(**outputs)
-        self.failed_records = _records
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    ``result.failed`` / ``result["failed"]`` (a dict, as Beam YAML expects)."""

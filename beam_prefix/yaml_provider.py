@@ -37,7 +37,7 @@ arguments: the second step's metadata columns (``truncated``, ``prompt_fingerpri
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import apache_beam as beam
 from apache_beam.typehints.row_type import RowTypeConstraint
@@ -48,7 +48,21 @@ from beam_prefix.transforms import ClassifyText as _ClassifyText
 __all__ = ["ClassifyText", "ExtractFields"]
 
 
-class ClassifyText(beam.PTransform):
+class _YamlStep(beam.PTransform):
+    """A prefix-cached step for Beam YAML: its outputs, or with ``error_handling`` its main
+    output and YAML's error output."""
+
+    main: ClassVar[str]
+
+    def __init__(self, step: beam.PTransform, error_handling: Optional[Mapping[str, Any]]):
+        super().__init__()
+        self._step, self._error_output = step, _error_output(error_handling)
+
+    def expand(self, rows):
+        return _outputs(rows, rows | type(self).__name__ >> self._step, self.main, self._error_output)
+
+
+class ClassifyText(_YamlStep):
     """Classify text rows with a prefix-cached causal LM (see `beam_prefix.transforms.ClassifyText`).
 
     Args:
@@ -62,7 +76,7 @@ class ClassifyText(beam.PTransform):
         batch_size: rows per forward pass.
         max_batch_duration_secs: buffer rows across bundles this long (streaming).
         calibration, label_search, max_text_tokens, overflow, dtype, verify,
-            metadata_prefix: as in the task file / `beam_prefix.transforms.ClassifyText`.
+            metadata_prefix, device: as in the task file / `beam_prefix.transforms.ClassifyText`.
         error_handling: Beam YAML's ``{output: NAME}``: failed rows go to NAME in YAML's
             error format (instead of ``failed``).
     """
@@ -73,21 +87,19 @@ class ClassifyText(beam.PTransform):
                  max_batch_duration_secs: Optional[float] = None, calibration: Optional[bool] = None,
                  label_search: Optional[str] = None, max_text_tokens: Optional[int] = None,
                  overflow: Optional[str] = None, dtype: str = "float32", verify: bool = True,
-                 metadata_prefix: Optional[str] = None, error_handling: Optional[Mapping[str, Any]] = None):
-        super().__init__()
-        self._classify = _ClassifyText(
+                 metadata_prefix: Optional[str] = None, device: str = "cpu",
+                 error_handling: Optional[Mapping[str, Any]] = None):
+        super().__init__(_ClassifyText(
             task=task, model=model, text_column=text_column, id_column=id_column, keep_columns=keep_columns,
             top_k=top_k, prob_columns=prob_columns, batch_size=batch_size,
             max_batch_duration_secs=max_batch_duration_secs, calibration=calibration, label_search=label_search,
             max_text_tokens=max_text_tokens, overflow=overflow, dtype=dtype, verify=verify,
-            metadata_prefix=metadata_prefix)
-        self._error_output = _error_output(error_handling)
+            metadata_prefix=metadata_prefix, device=device), error_handling)
 
-    def expand(self, rows):
-        return _outputs(rows, rows | "ClassifyText" >> self._classify, "labeled", self._error_output)
+    main = "labeled"
 
 
-class ExtractFields(beam.PTransform):
+class ExtractFields(_YamlStep):
     """Extract typed fields from text rows (see `beam_prefix.extract_transform.ExtractFields`).
 
     Args:
@@ -96,7 +108,7 @@ class ExtractFields(beam.PTransform):
         text_column, id_column, keep_columns, batch_size, max_batch_duration_secs,
             max_text_tokens, overflow, dtype, verify: as for `ClassifyText` here.
         max_new_tokens: override the task's output budget.
-        metadata_prefix: as for `beam_prefix.extract_transform.ExtractFields`.
+        metadata_prefix, device: as for `beam_prefix.extract_transform.ExtractFields`.
         error_handling: Beam YAML's ``{output: NAME}``, as for `ClassifyText` here.
     """
 
@@ -104,18 +116,15 @@ class ExtractFields(beam.PTransform):
                  id_column: Optional[str] = None, keep_columns: Optional[list] = None, batch_size: int = 64,
                  max_batch_duration_secs: Optional[float] = None, max_new_tokens: Optional[int] = None,
                  max_text_tokens: Optional[int] = None, overflow: Optional[str] = None, dtype: str = "float32",
-                 verify: bool = True, metadata_prefix: Optional[str] = None,
+                 verify: bool = True, metadata_prefix: Optional[str] = None, device: str = "cpu",
                  error_handling: Optional[Mapping[str, Any]] = None):
-        super().__init__()
-        self._extract = _ExtractFields(
+        super().__init__(_ExtractFields(
             task=task, model=model, text_column=text_column, id_column=id_column, keep_columns=keep_columns,
             batch_size=batch_size, max_batch_duration_secs=max_batch_duration_secs, max_new_tokens=max_new_tokens,
             max_text_tokens=max_text_tokens, overflow=overflow, dtype=dtype, verify=verify,
-            metadata_prefix=metadata_prefix)
-        self._error_output = _error_output(error_handling)
+            metadata_prefix=metadata_prefix, device=device), error_handling)
 
-    def expand(self, rows):
-        return _outputs(rows, rows | "ExtractFields" >> self._extract, "extracted", self._error_output)
+    main = "extracted"
 
 
 def _error_output(error_handling: Optional[Mapping[str, Any]]) -> Optional[str]:

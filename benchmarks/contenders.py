@@ -60,10 +60,10 @@ def cached_recipe(clf: PrefixClassifier, texts: Sequence[str]) -> list[str]:
                         position_ids=torch.arange(n, n + s)[None])
             logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
             if clf.mode == "first_token":
-                scores = out.logits[0, -1].float()[clf._first_ids]
+                scores = out.logits[0, -1].float()[clf.scorer.first_ids]
             else:  # each label continued on this row's cache, then cropped off again
                 scores = []
-                for label in clf.layout.label_ids:
+                for label in clf.label_ids:
                     total = logp[label[0]]
                     if len(label) > 1:
                         cont = torch.tensor([list(label[:-1])])

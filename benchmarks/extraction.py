@@ -100,7 +100,7 @@ def _timed(fn, rows: int):
 @contextlib.contextmanager
 def _profiled():
     """Seconds spent in the parts of C's decoding, by part (wrappers on module functions)."""
-    from beam_prefix import attention, constraints, decoding, scoring
+    from beam_prefix import attention, constraints, decoding, output_head
 
     spent = collections.Counter()
     patched = []
@@ -121,8 +121,8 @@ def _profiled():
     wrap(decoding, "forward", lambda model, prefix, step, **kw: "model: suffix pass" if step.causal
          else "model: decode steps")
     wrap(attention, "_prefix_part", "of which prefix attention")
-    wrap(scoring.OutputHead, "logits", "vocabulary head (rows with many allowed tokens)")
-    wrap(scoring.OutputHead, "logits_for", "vocabulary head (rows with few allowed tokens)")
+    wrap(output_head.OutputHead, "logits", "vocabulary head (rows with many allowed tokens)")
+    wrap(output_head.OutputHead, "logits_for", "vocabulary head (rows with few allowed tokens)")
     wrap(constraints.RowMatchers, "fill", "grammar masks")
     try:
         yield spent

@@ -30,7 +30,8 @@ import time
 import torch
 
 from beam_prefix import PrefixClassifier, TaskSpec
-from beam_prefix.dofn import _MODEL_HANDLE, ClassifyConfig, _ModelHolder
+from beam_prefix.dofn import ClassifyConfig
+from beam_prefix.worker import _MODEL_HANDLE, ModelHolder
 from beam_prefix.model import LoadedModel, load_model
 from beam_prefix.task import Example
 from beam_prefix.transforms import ClassifyText
@@ -147,7 +148,7 @@ def _rounds(name, task, texts, warm, clf, best, result, a_labels, args) -> None:
         transform = ClassifyText(task=task, model=args.model, batch_size=batch, min_batch_size=beam_batch,
                                  max_batch_size=beam_batch, verify=False, dtype=args.dtype)
         # loaded before timing (normally the benchmark's own model, seeded into the handle)
-        holder = _MODEL_HANDLE.acquire(lambda: _ModelHolder(transform.config), tag=transform.config.model_tag)
+        holder = _MODEL_HANDLE.acquire(lambda: ModelHolder(transform.config), tag=transform.config.model_tag)
         run_d = contenders.classify_text(transform, [{"text": t} for t in texts])
         contenders.classify_text(transform, [{"text": t} for t in warm])()
     if exhaustive:
@@ -369,7 +370,7 @@ def run(argv=None) -> dict:
     held = None  # a strong reference keeps the seeded holder in the handle
     if workloads:
         config = ClassifyConfig(task=next(iter(workloads.values()))[0], model=args.model, dtype=args.dtype)
-        held = _MODEL_HANDLE.acquire(lambda: _ModelHolder(config, loaded=loaded), tag=config.model_tag)
+        held = _MODEL_HANDLE.acquire(lambda: ModelHolder(config, loaded=loaded), tag=config.model_tag)
     reference = {}  # A's labels per workload
     # the files are rewritten after every section: a long run cut short keeps what it measured
     for name, (task, texts) in workloads.items():

@@ -20,10 +20,9 @@ import sys
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.cached_prompt import check_fits
 from pipelines import launch
 from pipelines.launch import Plan, RunFailed, explain
-from pipelines.options import DEFAULT_OUTPUT, SAMPLE_GOLD_COLUMN, ClassifyOptions, classify_transform
+from pipelines.options import DEFAULT_OUTPUT, SAMPLE_GOLD_COLUMN, ClassifyOptions, StepOptions, classify_transform
 from pipelines.publish import Staging
 from pipelines.sinks import Destination, kept_columns, labeled_schema
 from pipelines.sources import describe_input, input_schema, require_columns
@@ -41,21 +40,21 @@ def build(p: beam.Pipeline, options: PipelineOptions) -> Plan:
 
 def _build(p, options, labeled_to: Destination, failed_to: Destination, staging: Staging,
            summary_path: str | None) -> Plan:
-    o = options.view_as(ClassifyOptions)
+    o, c = options.view_as(StepOptions), options.view_as(ClassifyOptions)
     schema = input_schema(options)
     kept = kept_columns(options, schema)
     # the shipped sample has gold labels: the first run reports its accuracy
-    gold = o.eval_label_column or (SAMPLE_GOLD_COLUMN if not (o.input or o.input_table or o.input_query) else None)
+    gold = c.eval_label_column or (SAMPLE_GOLD_COLUMN if not (o.input or o.input_table or o.input_query) else None)
     # before any model work: a column flag naming no column would fail every row
-    require_columns(options, schema, {"--eval_label_column": [gold], "--task_column": [o.task_column]})
+    require_columns(options, schema, {"--eval_label_column": [gold], "--task_column": [c.task_column]})
     # labelled rows carry only what the output keeps (and the stashed gold label): an input
     # column named like an output column (a gold `label`) is dropped, not overwritten
     classify = classify_transform(options, keep_columns=[f.name for f in kept] + ([GOLD_KEY] if gold else []))
     task = classify.config.task
     routes = classify.routes
     for config in ([classify.config] if routes is None else [c for _, c in routes.configs]):
-        check_fits(config.task, config.model)  # a prompt too long for the model: refused now, not on workers
-    task_name = task.name if routes is None else f"{len(routes.configs)} tasks from {o.task_dir} by {o.task_column}"
+        config.check_fits()  # a prompt too long for the model: refused now, not on workers
+    task_name = task.name if routes is None else f"{len(routes.configs)} tasks from {c.task_dir} by {c.task_column}"
     labels = task.label_names if routes is None else tuple(sorted({n for _, c in routes.configs
                                                                    for n in c.task.label_names}))
     out_schema = labeled_schema(classify.config, kept)

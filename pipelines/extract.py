@@ -16,6 +16,7 @@ ends in exactly one of the extracted or failed outputs, and the summary counts t
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import logging
 import sys
@@ -24,12 +25,11 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.cached_prompt import check_fits
 from beam_prefix.extract_task import ExtractionSpec, load_task
 from beam_prefix.extract_transform import ExtractConfig, ExtractFields
 from pipelines import launch
 from pipelines.launch import Plan, RunFailed, explain
-from pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, task_path
+from pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, StepOptions, task_path
 from pipelines.publish import Staging
 from pipelines.sinks import Destination, kept_columns
 from pipelines.sources import describe_input, input_schema
@@ -39,9 +39,6 @@ __all__ = ["ExtractOptions", "build", "run", "main", "extracted_schema", "Plan",
 
 _LOGGER = logging.getLogger("pipelines.extract")  # also when run as __main__
 
-# ClassifyOptions flags that mean nothing to extraction: refused when given
-CLASSIFY_ONLY = ("task_dir", "task_column", "max_prefix_cache_mb", "calibration", "label_search", "top_k",
-                 "prob_columns", "eval_label_column")
 # failed rows beside the output (without --failed_output): not `failed`, which a
 # classification run into the same directory writes
 FAILED_NAME = "failed_extract"
@@ -50,7 +47,7 @@ _ARROW_TYPES = {"string": pa.string(), "enum": pa.string(), "date": pa.date32(),
 
 
 class ExtractOptions(PipelineOptions):
-    """Flags of the extract pipeline beyond the shared ones (`ClassifyOptions`)."""
+    """Flags of the extract pipeline beyond the shared ones (`StepOptions`)."""
 
     @classmethod
     def _add_argparse_args(cls, parser):
@@ -61,8 +58,8 @@ class ExtractOptions(PipelineOptions):
 
 
 def _validate(options: PipelineOptions) -> None:
-    o = options.view_as(ClassifyOptions)
-    given = [f"--{flag}" for flag in CLASSIFY_ONLY if getattr(o, flag) is not None]
+    classification = options.view_as(ClassifyOptions)  # flags that mean nothing to extraction
+    given = [f"--{flag}" for flag in _flags(ClassifyOptions) if getattr(classification, flag) is not None]
     if given:
         raise ValueError(f"{', '.join(given)}: classification flags; pipelines.extract does not take them")
     budget = options.view_as(ExtractOptions).max_new_tokens
@@ -70,9 +67,16 @@ def _validate(options: PipelineOptions) -> None:
         raise ValueError(f"--max_new_tokens must be >= 1, got {budget}")
 
 
+def _flags(options_class) -> list[str]:
+    """The flags (dests) an options class declares."""
+    parser = argparse.ArgumentParser()
+    options_class._add_argparse_args(parser)
+    return [a.dest for a in parser._actions if a.dest != "help"]
+
+
 def extraction_task(options: PipelineOptions) -> ExtractionSpec:
     """The task `--task` names (default: the shipped ticket_fields), which must be an extraction task."""
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     task = load_task(task_path(o.task or DEFAULT_TASKS["extract"]))
     if not isinstance(task, ExtractionSpec):
         raise ValueError(f"--task={o.task!r} is a classification task; pipelines.extract needs a task with "
@@ -82,12 +86,12 @@ def extraction_task(options: PipelineOptions) -> ExtractionSpec:
 
 def extract_transform(options: PipelineOptions, task: ExtractionSpec, keep_columns=None) -> ExtractFields:
     """The `ExtractFields` the flags describe, for `task` (read in the launcher)."""
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     return ExtractFields(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column, dtype=o.dtype,
                          threads=o.torch_threads, min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size,
                          batch_size=o.batch_size or 64, max_text_tokens=o.max_text_tokens, overflow=o.overflow,
                          max_new_tokens=options.view_as(ExtractOptions).max_new_tokens, verify=o.verify == "true",
-                         keep_columns=keep_columns)
+                         keep_columns=keep_columns, device=o.device)
 
 
 def extracted_schema(config, kept: list[pa.Field]) -> pa.Schema:
@@ -119,7 +123,7 @@ def _build(p, options, extracted_to: Destination, failed_to: Destination, stagin
     kept = kept_columns(options, schema, reserved=ExtractConfig(task=task).output_columns)
     extract = extract_transform(options, task, keep_columns=[f.name for f in kept])
     config = extract.config
-    check_fits(config.task, config.model)  # a prompt too long for the model: refused now, not on workers
+    config.check_fits()  # a prompt too long for the model: refused now, not on workers
     out_schema = extracted_schema(config, kept)
 
     dates = _Dates([f.name for f in config.task.fields if f.type == "date"])
@@ -151,7 +155,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
 def main(argv: list[str] | None = None) -> int:
     """Run from the command line (exit statuses: `pipelines.launch.main`)."""
     return launch.main(argv, run, prog="python -m pipelines.extract", doc=__doc__,
-                       options=(ClassifyOptions, ExtractOptions))
+                       options=(StepOptions, ExtractOptions))
 
 
 if __name__ == "__main__":

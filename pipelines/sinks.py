@@ -24,7 +24,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from beam_prefix.dofn import FAILED_TAG, TOP_K_COLUMN, ClassifyConfig, failed_record
 from beam_prefix.schemas import failed_values
 from beam_prefix.schemas import json_text as to_json  # the pipelines' name for it
-from pipelines.options import ClassifyOptions
+from pipelines.options import StepOptions
 from pipelines.sources import require_columns
 from pipelines.summary import GOLD_KEY
 
@@ -46,7 +46,7 @@ def kept_columns(options: PipelineOptions, schema: pa.Schema | None, reserved=No
         reserved: the output columns a kept column may not be named like (default:
             classification's, ``prob_*`` included).
     """
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     if o.columns_to_keep and o.columns_to_keep.strip() == "*":
         if schema is None:
             raise ValueError("--columns_to_keep='*' needs an input whose columns are known at launch "
@@ -185,7 +185,7 @@ def destinations(options: PipelineOptions, *, default_output: str,
     """(main output, failed) destinations from the flags (`default_output`: the prefix when
     --output is not given; `failed_name`: the failed rows' prefix beside it, unless
     --failed_output is given)."""
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     output = _in_directory(o.output, _beside(default_output, "")[1]) or default_output
     if o.output_table:
         failed_table = o.failed_output_table or f"{o.output_table}_failed"
@@ -214,7 +214,7 @@ def bigquery_write_args(options: PipelineOptions) -> dict:
     """Keyword arguments of `WriteToBigQuery` (besides the table and schema) from the flags."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     kwargs = dict(create_disposition=beam.io.BigQueryDisposition.CREATE_IF_NEEDED,
                   write_disposition=beam.io.BigQueryDisposition.WRITE_APPEND)
     if o.bigquery_write_method != "DEFAULT":

@@ -27,7 +27,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 
 from beam_prefix.dofn import FAILED_TAG, failed_record
 from beam_prefix.task import nesting_depth
-from pipelines.options import SAMPLE_TICKETS, ClassifyOptions
+from pipelines.options import SAMPLE_TICKETS, StepOptions
 
 __all__ = ["read_rows", "input_schema", "known_columns", "require_columns", "input_format", "describe_input",
            "failed_record", "SAMPLED_LINES"]
@@ -36,7 +36,7 @@ _LOGGER = logging.getLogger(__name__)
 
 
 def input_format(options: PipelineOptions) -> str:
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     if o.input_format:
         return o.input_format
     pattern = (o.input or "").lower()
@@ -47,7 +47,7 @@ def input_format(options: PipelineOptions) -> str:
 
 
 def describe_input(options: PipelineOptions) -> str:
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     if o.input_table:
         return f"BigQuery table {o.input_table} ({o.bigquery_read_method})"
     if o.input_query:
@@ -189,7 +189,7 @@ def read_rows(p, options: PipelineOptions):
     Returns:
         (rows, unparseable): PCollections of dict rows and of failed records.
     """
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     none = p | "NoUnparseableRows" >> beam.Create([])
     if o.input_table or o.input_query:
         gcs_location = None
@@ -232,7 +232,7 @@ def input_schema(options: PipelineOptions) -> pa.Schema | None:
     Raises:
         ValueError: a CSV header that is not UTF-8 (naming the file and line).
     """
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     if o.input_table:
         return _bigquery_table_schema(o.input_table, options.view_as(GoogleCloudOptions).project)
     fmt = input_format(options)
@@ -257,7 +257,7 @@ def known_columns(options: PipelineOptions, schema: pa.Schema | None) -> tuple[l
     for JSONL the keys of its first `SAMPLED_LINES` lines (None: not known, e.g. a query)."""
     if schema is not None:
         return list(schema.names), "input columns"
-    o = options.view_as(ClassifyOptions)
+    o = options.view_as(StepOptions)
     if o.input and input_format(options) == "jsonl":
         names, lines = _jsonl_keys(o.input, SAMPLED_LINES)
         if lines:

@@ -153,6 +153,12 @@ def assert_same_predictions(cached, full, atol=1e-4, log_atol=2e-3):
             assert abs(c.logprobs[name] - f.logprobs[name]) <= log_atol, (name, c.logprobs, f.logprobs)
 
 
+def prefix_checksum(prefix_cache) -> float:
+    """A cheap fingerprint of a prefix cache's tensors: equal before and after proves that
+    nothing wrote to the shared, read-only prefix."""
+    return float(sum(s.keys.double().sum() + s.values.double().abs().sum() for s in prefix_cache.layers))
+
+
 def score_spread(predictions) -> float:
     """Largest log-probability difference of a label between texts: proves the scores
     depend on the text, so a broken cache shows far above the tolerance."""

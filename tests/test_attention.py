@@ -45,7 +45,15 @@ def test_matches_sdpa_over_the_concatenation(heads, kv, prefix_columns, chunk, f
         seen = torch.ones(batch, 1, q, p, dtype=torch.bool)
         seen[:, :, 3:, :4] = False
         mask = torch.cat([seen, new], -1)
-    got = shared_prefix_attention(query, key, value, mask, pk, pv, 0.3)
+    # every column of the padded layout run as a token (a dense packing: the layout as it is)
+    packing = attention.Packing.of([torch.arange(q)] * batch, q)
+    assert packing.dense
+
+    def flat(t):  # [B, heads, q, D] -> [1, heads, B*q, D]
+        return t.transpose(0, 1).reshape(1, t.shape[1], batch * q, d)
+
+    got = shared_prefix_attention(flat(query), flat(key), flat(value), mask, pk, pv, 0.3,
+                                  packing=packing).reshape(batch, q, heads, d)
     want = _reference(query, key, value, mask, pk, pv, 0.3)
     assert got.shape == (batch, q, heads, d)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()

@@ -11,15 +11,17 @@ import threading
 
 import apache_beam as beam
 import pytest
+import torch
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.dofn import ClassifyConfig, PrefixCachedClassifyDoFn, _ModelHolder, prob_column
+from beam_prefix.dofn import ClassifyConfig, PrefixCachedClassifyDoFn, prob_column
 from beam_prefix.model import load_model
 from beam_prefix.transforms import ClassifyText
+from beam_prefix.worker import ModelHolder
 
 from conftest import TEXTS, run_in_threads, tiny_task
 
@@ -145,7 +147,7 @@ def test_beam_rows_and_metrics(tiny_dir, tmp_path):
 
 def test_model_loads_once_per_process_and_cache_once_per_task(tiny_dir, tmp_path):
     model = _unique_model_path(tiny_dir, tmp_path)
-    before = _ModelHolder.loads
+    before = ModelHolder.loads
     rows = GOOD * 4  # several bundles and batches
     options = ["--direct_num_workers=4", "--direct_running_mode=multi_threading"]
     p = beam.Pipeline(options=PipelineOptions(options))
@@ -157,8 +159,8 @@ def test_model_loads_once_per_process_and_cache_once_per_task(tiny_dir, tmp_path
         assert_that(res.labeled | f"Count{name}" >> beam.combiners.Count.Globally(), equal_to([len(rows)]),
                     label=f"AllRows{name}")
     p.run().wait_until_finish()
-    assert _ModelHolder.loads - before == 1  # two steps, several threads: one model load
-    holder = _ModelHolder.last
+    assert ModelHolder.loads - before == 1  # two steps, several threads: one model load
+    holder = ModelHolder.last
     assert holder.prefix_builds == 2  # one prefix cache per task, shared by that task's threads
     assert holder.forks >= 2
 
@@ -354,3 +356,32 @@ def test_startup_costs_are_reported_once_per_prefix_build(tiny_dir, tmp_path):
     for name in ("startup_model_load_ms", "startup_prefix_build_ms", "startup_self_check_ms",
                  "self_check_cached_us_per_row", "self_check_full_us_per_row"):
         assert dists[name].count == 1 and dists[name].min > 0, name
+
+
+def test_each_step_has_its_own_pool_bound_and_threads(tiny_dir, tmp_path, monkeypatch):
+    """Two steps on one model share the model, not their settings: each has its own prefix
+    pool with its own bound, and runs its batches with its own torch thread count (the
+    holder was built from whichever step came first, and gave both that step's)."""
+    model = _unique_model_path(tiny_dir, tmp_path)
+    seen = []
+    original = PrefixCachedClassifyDoFn._call
+
+    def recording(self, engine, encoded):
+        seen.append((self.step_name, torch.get_num_threads()))
+        return original(self, engine, encoded)
+
+    monkeypatch.setattr(PrefixCachedClassifyDoFn, "_call", recording)
+    threads = torch.get_num_threads()
+    try:
+        p = beam.Pipeline(options=PipelineOptions(["--direct_running_mode=in_memory"]))
+        rows = p | beam.Create(GOOD)
+        _ = rows | "Small" >> ClassifyText(task=_task(), model=model, max_prefix_cache_mb=1, threads=1, verify=False)
+        _ = rows | "Large" >> ClassifyText(task=_task(instructions="Sort the ticket."), model=model,
+                                           max_prefix_cache_mb=64, threads=2, verify=False)
+        p.run().wait_until_finish()
+    finally:
+        torch.set_num_threads(threads)
+    holder = ModelHolder.last
+    assert {step: pool.max_bytes for step, pool in holder.pools.items()} == {"Small": 2**20, "Large": 64 * 2**20}
+    assert {step for step, _ in seen} == {"Small", "Large"}
+    assert all(n == {"Small": 1, "Large": 2}[step] for step, n in seen), seen

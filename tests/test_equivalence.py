@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.scoring import score_full
 
-from conftest import ARCHS, BANKING_LABELS, TEXTS, assert_same_predictions, score_spread, tiny_task
+from conftest import ARCHS, BANKING_LABELS, TEXTS, assert_same_predictions, prefix_checksum, score_spread, tiny_task
 
 
 def _classifier(loaded, task, **kwargs):
@@ -88,12 +87,12 @@ def _brute_force(model, prompt_ids, label_ids):
 def test_multi_token_labels_match_brute_force(tiny_models, arch):
     clf = _classifier(tiny_models[arch], tiny_task(BANKING_LABELS), batch_size=4, label_search="exhaustive")
     assert clf.mode == "sequence"  # auto: card_/cash_/top_up_ share first tokens
-    firsts = [ids[0] for ids in clf.layout.label_ids]
+    firsts = [ids[0] for ids in clf.label_ids]
     assert len(set(firsts)) < len(firsts)
     texts = TEXTS[:6]
     for text, pred in zip(texts, clf.classify(texts)):
         prompt_ids, _ = clf.layout.encode_full(text)
-        reference = _brute_force(clf.model, prompt_ids, clf.layout.label_ids)
+        reference = _brute_force(clf.model, prompt_ids, clf.label_ids)
         got = torch.tensor([pred.logprobs[n] for n in BANKING_LABELS])
         assert torch.allclose(got, reference, atol=2e-3), (text, got, reference)
 
@@ -104,7 +103,7 @@ def test_embedded_multi_token_labels_match_brute_force(embedded):
     texts = ["My new card has still not arrived", "I got charged a fee for withdrawing cash"]
     for text, pred in zip(texts, clf.classify(texts)):
         prompt_ids, _ = clf.layout.encode_full(text)
-        reference = _brute_force(clf.model, prompt_ids, clf.layout.label_ids)
+        reference = _brute_force(clf.model, prompt_ids, clf.label_ids)
         got = torch.tensor([pred.logprobs[n] for n in BANKING_LABELS])
         assert torch.allclose(got, reference, atol=2e-3), (text, got, reference)
 
@@ -116,7 +115,7 @@ def test_crop_discipline_after_calls_and_exceptions(tiny_models, scoring, prefix
     clf = _classifier(tiny_models["mistral_sliding"], tiny_task(labels, scoring=scoring), batch_size=4,
                       prefix_attention=prefix_attention)
     assert (clf._working is None) == (prefix_attention == "shared")
-    before = clf.prefix_cache.checksum()
+    before = prefix_checksum(clf.prefix_cache)
     expected = clf.classify(TEXTS[:8])
     assert clf.cache_length() == clf.prefix_length
 
@@ -140,7 +139,7 @@ def test_crop_discipline_after_calls_and_exceptions(tiny_models, scoring, prefix
     again = clf.classify(TEXTS[:8])
     assert_same_predictions(again, expected, atol=1e-6)
     assert clf.cache_length() == clf.prefix_length
-    assert clf.prefix_cache.checksum() == before  # the shared prefix was never written
+    assert prefix_checksum(clf.prefix_cache) == before  # the shared prefix was never written
 
 
 def test_verify_catches_a_broken_cache(tiny_models):
@@ -159,10 +158,10 @@ def test_verify_catches_a_broken_cache(tiny_models):
 def test_full_reference_uses_no_cache_and_matches_model_logits(tiny_models):
     clf = _classifier(tiny_models["llama"], tiny_task())
     ids, _ = clf.layout.encode_full(TEXTS[0])
-    raw = score_full(clf.model, ids, "first_token", clf._first_ids, clf.layout.label_ids)
+    raw = clf.scorer.full(clf.model, ids)
     with torch.inference_mode():
         logits = clf.model(input_ids=torch.tensor([list(ids)])).logits[0, -1]
-    assert torch.allclose(raw, logits[clf._first_ids])
+    assert torch.allclose(raw, logits[clf.scorer.first_ids])
 
 
 def test_self_check_times_steady_state_after_one_warm_call(tiny_models, monkeypatch):

@@ -15,7 +15,7 @@ from beam_prefix.errors import RowError, TaskSpecError, VerificationError
 from beam_prefix.extract_task import ExtractionSpec, load_task
 from beam_prefix.extractor import Extractor
 
-from conftest import ARCHS, TEXTS, run_in_threads
+from conftest import ARCHS, TEXTS, prefix_checksum, run_in_threads
 
 FIELDS = [
     {"name": "product_area", "type": "enum", "values": ["billing", "app", "account", "other"]},
@@ -198,7 +198,7 @@ def test_bad_texts_raise_row_errors(llama_extractor):
 def test_an_exception_mid_decode_leaves_nothing_behind(tiny_models, monkeypatch, engine):
     ex = _extractor(tiny_models["llama"], batch_size=4, prefix_attention=engine)
     before = _tokens(ex.extract(TEXTS[:6]))
-    checksum = ex.prefix_cache.checksum()
+    checksum = prefix_checksum(ex.prefix_cache)
     from beam_prefix.constraints import RowMatchers
 
     real, calls = RowMatchers.fill, []
@@ -215,7 +215,7 @@ def test_an_exception_mid_decode_leaves_nothing_behind(tiny_models, monkeypatch,
     monkeypatch.setattr(RowMatchers, "fill", real)
     assert ex.cache_length() == ex.prefix_length
     assert _tokens(ex.extract(TEXTS[:6])) == before
-    assert ex.prefix_cache.checksum() == checksum
+    assert prefix_checksum(ex.prefix_cache) == checksum
 
 
 def test_many_threads_equal_one_thread(llama_extractor):

@@ -12,7 +12,7 @@ from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix import engine as engine_module
 from beam_prefix.errors import TaskSpecError
 
-from conftest import ARCHS, BANKING_LABELS, TEXTS, run_in_threads, score_spread, tiny_task
+from conftest import ARCHS, BANKING_LABELS, TEXTS, prefix_checksum, run_in_threads, score_spread, tiny_task
 
 # Built to defeat naive pruning: long shared prefixes, a label that is a prefix of another
 # ("card" / "card_arrival", "top_up" / "top_up_failed"), labels one token apart
@@ -150,7 +150,7 @@ def test_exception_mid_search_leaves_nothing_behind(tiny_models, engine, monkeyp
     clf = _classifier(tiny_models["mistral_sliding"], task=tiny_task(HARD_LABELS, scoring="sequence"),
                       batch_size=6, prefix_attention=engine, label_search="pruned")
     before = clf.classify(TEXTS)
-    checksum = clf.prefix_cache.checksum()
+    checksum = prefix_checksum(clf.prefix_cache)
     real_forward = engine_module.forward
     calls = {"n": 0}
 
@@ -160,13 +160,13 @@ def test_exception_mid_search_leaves_nothing_behind(tiny_models, engine, monkeyp
             raise RuntimeError("injected")
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr("beam_prefix.label_search.forward", failing)
+    monkeypatch.setattr("beam_prefix.label_scorers.forward", failing)
     with pytest.raises(RuntimeError, match="injected"):
         clf.classify(TEXTS)
     assert calls["n"] == 3
-    monkeypatch.setattr("beam_prefix.label_search.forward", real_forward)
+    monkeypatch.setattr("beam_prefix.label_scorers.forward", real_forward)
     assert clf.cache_length() == clf.prefix_length
-    assert clf.prefix_cache.checksum() == checksum
+    assert prefix_checksum(clf.prefix_cache) == checksum
     after = clf.classify(TEXTS)
     for a, b in zip(before, after):
         assert a.label == b.label and a.label_tokens == b.label_tokens

@@ -230,12 +230,12 @@ def test_failure_mid_run_leaves_no_files_at_all(tiny_dir, tmp_path, monkeypatch,
 
 
 def test_unwritable_output_fails_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, capsys):
-    import beam_prefix.dofn
+    import beam_prefix.worker
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(beam_prefix.dofn, "load_model", no_load)
+    monkeypatch.setattr(beam_prefix.worker, "load_model", no_load)
     (tmp_path / "a_file").write_text("not a directory")
     (tmp_path / "out").mkdir()
     for flag, value in (("--output", f"{tmp_path}/a_file/labeled"),

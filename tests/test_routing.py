@@ -12,10 +12,10 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.dofn import _ModelHolder
 from beam_prefix.model import load_model
 from beam_prefix.prefix_pool import PrefixPool
 from beam_prefix.transforms import ClassifyText
+from beam_prefix.worker import ModelHolder
 
 from conftest import BANKING_LABELS, TEXTS, run_in_threads, tiny_task
 
@@ -103,7 +103,7 @@ def test_a_small_pool_evicts_and_rebuilds_with_identical_results(tiny_dir):
     assert counters["prefix_builds"] + counters.get("prefix_hits", 0) == sum(
         v for k, v in counters.items() if k.startswith("task_batches:"))
     assert sum(v for k, v in counters.items() if k.startswith("task_rows:")) == len(rows)
-    pool = _ModelHolder.last.pool
+    (pool,) = ModelHolder.last.pools.values()  # the one routed step's pool
     assert pool.peak_bytes <= bound_mb * 2**20
 
 
@@ -121,7 +121,7 @@ def test_one_build_per_task_under_many_threads(tiny_models):
         return make
 
     keys = list(TASKS)
-    results = run_in_threads(lambda i: [pool.get(keys[(i + j) % 3], build(keys[(i + j) % 3])).classifier
+    results = run_in_threads(lambda i: [pool.get(keys[(i + j) % 3], build(keys[(i + j) % 3])).engine
                                         for j in range(6)], 8)
     assert sorted(builds) == sorted(keys)  # each task built once
     assert len({id(clf) for per_thread in results for clf in per_thread}) == 3  # one classifier per task

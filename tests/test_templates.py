@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-from pipelines.options import ClassifyOptions
+from pipelines.options import ClassifyOptions, StepOptions
 
 from conftest import ROOT
 
@@ -20,6 +20,7 @@ TEMPLATES = ROOT / "templates"
 
 def _parser_actions():
     parser = argparse.ArgumentParser()
+    StepOptions._add_argparse_args(parser)
     ClassifyOptions._add_argparse_args(parser)
     return {a.dest: a for a in parser._actions if a.dest != "help"}
 
@@ -40,12 +41,12 @@ def test_metadata_parameters_are_the_pipeline_options_and_back():
 
 
 def test_extract_metadata_is_the_extract_pipelines_options():
-    from pipelines.extract import CLASSIFY_ONLY, ExtractOptions
+    from pipelines.extract import ExtractOptions
 
     parser = argparse.ArgumentParser()
-    ClassifyOptions._add_argparse_args(parser)
+    StepOptions._add_argparse_args(parser)  # the shared flags; classification's are refused
     ExtractOptions._add_argparse_args(parser)
-    actions = {a.dest: a for a in parser._actions if a.dest != "help" and a.dest not in CLASSIFY_ONLY}
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
     with open(TEMPLATES / "extract_metadata.json", encoding="utf-8") as f:
         params = {p["name"]: p for p in json.load(f)["parameters"]}
     assert set(params) == set(actions), (set(params) ^ set(actions))

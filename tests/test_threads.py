@@ -4,7 +4,7 @@ import pytest
 
 from beam_prefix import PrefixClassifier
 
-from conftest import BANKING_LABELS, TEXTS, assert_same_predictions, run_in_threads, tiny_task
+from conftest import BANKING_LABELS, TEXTS, assert_same_predictions, prefix_checksum, run_in_threads, tiny_task
 
 
 @pytest.mark.parametrize("prefix_attention", ["shared", "expanded"])
@@ -13,7 +13,7 @@ def test_concurrent_classify_matches_single_thread(tiny_models, share_instance, 
     clf = PrefixClassifier(task=tiny_task(BANKING_LABELS), loaded=tiny_models["qwen2_sliding"],
                            verify=False, batch_size=3, prefix_attention=prefix_attention)
     expected = clf.classify(TEXTS)
-    checksum = clf.prefix_cache.checksum()
+    checksum = prefix_checksum(clf.prefix_cache)
     workers = [clf if share_instance else clf.fork() for _ in range(4)]
     if prefix_attention == "shared":  # nothing mutable per instance at all
         assert all(w._working is None for w in workers)
@@ -32,4 +32,4 @@ def test_concurrent_classify_matches_single_thread(tiny_models, share_instance, 
         for got in per_thread:
             assert_same_predictions([got[t] for t in TEXTS], expected, atol=1e-5)
     assert all(w.cache_length() == clf.prefix_length for w in workers)
-    assert clf.prefix_cache.checksum() == checksum
+    assert prefix_checksum(clf.prefix_cache) == checksum

@@ -1,0 +1,243 @@
+"""Label scorers: the ways a row's label scores come out of the one cached forward.
+
+A scorer turns a batch of rows (their suffix token ids) into raw label scores ``[B, K]``,
+running `engine.forward` over the cached prefix, and says what the no-cache reference of
+one whole prompt is (`full`). Each is a class behind one interface, chosen once per
+classifier by `build_scorer` from the task (`SCORERS` is the registry):
+
+* `FirstTokenScorer` (``first_token``; labels with distinct first tokens): the
+  output-head logit of each label's first token at the row's last position;
+* `TrieScorer` (``exhaustive``): each label's summed token log-probabilities, the whole
+  label trie run in the same pass as the suffix (each trie token attends to the prefix,
+  the row's suffix and its own ancestors: tree attention through a 4-D mask);
+* `PrunedTrieScorer` (``pruned``): the same scores to `label_tolerance`, expanding the
+  trie best-first (`beam_prefix.label_search`).
+
+Adding a scorer is one subclass with a `name` and one `register` line; `build_scorer`
+picks it when the task's `scoring` names it.
+
+Only what an answer needs is computed: hidden states at the needed positions, the label
+rows of the head for first tokens, a log-sum-exp over the vocabulary only at trie
+parents; never full-vocabulary logits for every position. Every tensor is made on the
+model's device.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+import torch
+
+from beam_prefix.engine import CallState, Step, forward, seated
+from beam_prefix.label_search import Search, node_step
+from beam_prefix.labels import LabelTrie
+from beam_prefix.output_head import OutputHead
+from beam_prefix.prefix_cache import PrefixCache, WorkingCache, new_cache
+
+__all__ = ["LabelScorer", "FirstTokenScorer", "TrieScorer", "PrunedTrieScorer", "SCORERS", "register",
+           "scorer_name", "build_scorer"]
+
+
+class LabelScorer:
+    """Raw label scores for rows over a cached prefix, and their no-cache reference.
+
+    Args:
+        task: the classification task (its settings, e.g. `label_tolerance`).
+        label_ids: each label's token ids (`labels.label_token_ids`).
+        head: the model's output head; its device is where every tensor is made.
+    """
+
+    name: ClassVar[str]
+    mode: ClassVar[str] = "first_token"  # what a label's score is: "first_token" or "sequence"
+    search: ClassVar[str] = "exhaustive"  # how much of the labels a row runs: "exhaustive" or "pruned"
+
+    def __init__(self, task, label_ids: Sequence[Sequence[int]], head: OutputHead):
+        self.task, self.label_ids, self.head = task, tuple(label_ids), head
+        self.device = head.weight.device
+
+    @property
+    def label_tokens(self) -> int:
+        """The most label tokens one row runs (0 when only the suffix runs)."""
+        return 0
+
+    def score(self, model, prefix: PrefixCache, suffixes: Sequence[Sequence[int]], *,
+              working: WorkingCache | None, calibration: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+        """Raw scores ``[B, K]`` (log-likelihoods up to a per-row constant) and the label
+        tokens run per row. `working`: the expanded engine's working cache (None: shared-prefix
+        attention); `calibration`: ``[K]`` log-space offsets, for scorers that search by them."""
+        raise NotImplementedError
+
+    def full(self, model, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """The reference raw scores ``[K]`` of one whole prompt, re-encoded with no cache."""
+        raise NotImplementedError
+
+    def exhaustive(self) -> "LabelScorer":
+        """The scorer that computes every label's own score (what a search is checked against)."""
+        return self
+
+    def _suffix_pass(self, model, prefix: PrefixCache, suffixes, working) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's hidden state after its last suffix token ``[B, H]``, and the hidden
+        states of the whole step ``[B, Q, H]``."""
+        step = Step.suffixes(suffixes, prefix.length, self.device)
+        with seated(working, len(suffixes)) as cache:
+            hidden = forward(model, prefix, step, cache=cache)
+        return hidden[torch.arange(len(suffixes), device=self.device), step.lengths - 1], hidden
+
+
+SCORERS: dict[str, type[LabelScorer]] = {}
+
+
+def register(cls: type[LabelScorer]) -> type[LabelScorer]:
+    """Add a scorer class to `SCORERS` under its `name`."""
+    SCORERS[cls.name] = cls
+    return cls
+
+
+@register
+class FirstTokenScorer(LabelScorer):
+    """The logit of each label's first token (labels must start with distinct tokens)."""
+
+    name = "first_token"
+
+    def __init__(self, task, label_ids, head):
+        super().__init__(task, label_ids, head)
+        firsts = [ids[0] for ids in self.label_ids]
+        if len(set(firsts)) < len(firsts):
+            raise ValueError("scoring='first_token' but labels share first tokens; use 'sequence' or 'auto'")
+        self.first_ids = torch.tensor(firsts, dtype=torch.long, device=self.device)
+
+    def score(self, model, prefix, suffixes, *, working, calibration):
+        with torch.inference_mode():
+            last, _ = self._suffix_pass(model, prefix, suffixes, working)
+            return self.head.logits_for(last, self.first_ids), [0] * len(suffixes)
+
+    def full(self, model, prompt_ids):
+        with torch.inference_mode():
+            logits = model(input_ids=_ids(prompt_ids, self.device), use_cache=False).logits[0, -1].float()
+            return logits[self.first_ids]
+
+
+@register
+class TrieScorer(LabelScorer):
+    """Every label's whole token sequence, the label trie run with the suffix in one pass."""
+
+    name = "exhaustive"
+    mode = "sequence"
+
+    def __init__(self, task, label_ids, head, *, trie: LabelTrie | None = None):
+        super().__init__(task, label_ids, head)
+        self.trie = trie if trie is not None else LabelTrie.build(self.label_ids, self.device)
+
+    @property
+    def label_tokens(self) -> int:
+        return self.trie.size
+
+    def score(self, model, prefix, suffixes, *, working, calibration):
+        trie, head = self.trie, self.head
+        step = Step.suffixes(suffixes, prefix.length, self.device)
+        batch, width = step.ids.shape
+        t = trie.size
+        with torch.inference_mode():
+            with seated(working, batch) as cache:
+                hidden = forward(model, prefix, step.with_tree(trie.tokens, trie.depth, trie.ancestors), cache=cache)
+            last = hidden[torch.arange(batch, device=self.device), step.lengths - 1]  # [B, H]
+            parents = torch.cat([last[:, None], hidden[:, width:width + t]], dim=1)  # [B, 1+T, H]
+            lse = head.logsumexp(parents.reshape(batch * (1 + t), -1)).view(batch, 1 + t)
+            edge_hidden = parents[:, trie.edge_parent]  # [B, E, H]
+            n_edges = trie.edge_token.shape[0]
+            edge_logits = head.pair_logits(edge_hidden.reshape(batch * n_edges, -1),
+                                           trie.edge_token.repeat(batch)).view(batch, n_edges)
+            return trie.label_scores(edge_logits - lse[:, trie.edge_parent]), [t] * batch
+
+    def full(self, model, prompt_ids):
+        """One pass over the prompt, then each label's tokens one label at a time on that
+        prompt's own cache."""
+        ids = _ids(prompt_ids, self.device)
+        with torch.inference_mode():
+            cache = new_cache(model.config, self.device)
+            for layer in cache.layers:
+                if getattr(layer, "is_sliding", False):
+                    layer.activate_past_recording()
+            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            n = ids.shape[1]
+            scores = []
+            for label in self.label_ids:
+                total = first[label[0]]
+                if len(label) > 1:
+                    cont = _ids(label[:-1], self.device)
+                    step = model(input_ids=cont, cache=cache, use_cache=True,
+                                 position_ids=torch.arange(n, n + cont.shape[1], device=self.device)[None])
+                    cache.crop(-cont.shape[1])
+                    logp = torch.log_softmax(step.logits[0].float(), dim=-1)
+                    rows = torch.arange(len(label) - 1, device=self.device)
+                    total = total + logp[rows, torch.tensor(label[1:], device=self.device)].sum()
+                scores.append(total)
+            return torch.stack(scores)
+
+
+@register
+class PrunedTrieScorer(TrieScorer):
+    """The trie's scores to `label_tolerance`, expanded best-first in rounds batched
+    across the rows (`beam_prefix.label_search`); exact for every label it resolves."""
+
+    name = "pruned"
+    search = "pruned"
+
+    def __init__(self, task, label_ids, head):
+        super().__init__(task, label_ids, head)
+        self._exhaustive = TrieScorer(task, label_ids, head, trie=self.trie)
+
+    def exhaustive(self) -> LabelScorer:
+        return self._exhaustive
+
+    def score(self, model, prefix, suffixes, *, working, calibration):
+        trie, head = self.trie, self.head
+        step = Step.suffixes(suffixes, prefix.length, self.device)
+        batch = step.ids.shape[0]
+        call = CallState(batch, self.device)
+        search = Search(trie, batch, self.task.label_tolerance, calibration)
+        with torch.inference_mode():
+            with seated(working, batch, plain=True) as cache:
+                hidden = forward(model, prefix, step, cache=cache, call=call)
+                search.expand_root(head, hidden[torch.arange(batch, device=self.device), step.lengths - 1])
+                column = torch.full((batch, trie.size), -1, dtype=torch.long, device=self.device)
+                while True:  # one round: the chosen nodes of every row in one packed pass
+                    nodes, real = search.choose()
+                    if not bool(real.any()):
+                        break
+                    start = call.length
+                    hidden = forward(model, prefix, node_step(trie, nodes, real, step, call, column,
+                                                              prefix.length + step.lengths), cache=cache, call=call)
+                    rows, cols = real.nonzero(as_tuple=True)
+                    column[rows, nodes[rows, cols]] = start + cols  # where each node's keys sit in the call
+                    search.expand(head, hidden[rows, cols], rows, nodes[rows, cols])
+        return search.raw_scores(), search.expanded.sum(-1).tolist()
+
+
+def scorer_name(task, label_ids: Sequence[Sequence[int]], prefix_attention: str) -> str:
+    """The `SCORERS` key for `task`: its `scoring`, where ``auto`` is first-token scoring
+    when every label has its own first token, and ``sequence`` is its `label_search`, where
+    ``auto`` is pruned under shared-prefix attention (on the expanded cache each round of a
+    search would copy the batch-expanded prefix again in every layer)."""
+    scoring = task.scoring
+    if scoring == "auto":
+        firsts = [ids[0] for ids in label_ids]
+        scoring = "first_token" if len(set(firsts)) == len(firsts) else "sequence"
+    if scoring != "sequence":
+        return scoring
+    if task.label_search == "auto":
+        return "pruned" if prefix_attention == "shared" else "exhaustive"
+    return task.label_search
+
+
+def build_scorer(task, label_ids: Sequence[Sequence[int]], head: OutputHead, *, prefix_attention: str) -> LabelScorer:
+    """The task's scorer (see `scorer_name`)."""
+    name = scorer_name(task, label_ids, prefix_attention)
+    if name not in SCORERS:
+        raise ValueError(f"no label scorer {name!r}; known: {sorted(SCORERS)}")
+    return SCORERS[name](task, label_ids, head)
+
+
+def _ids(ids: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor([list(ids)], dtype=torch.long, device=device)
