@@ -21,7 +21,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["beam_prefix", "beam_prefix.*", "pipelines", "pipelines.*"]),
-    package_data={"pipelines": ["tasks/*.yaml", "yaml/*.yaml", "data/*.csv", "data/*.parquet", "data/*.jsonl",
+    package_data={"pipelines": ["tasks/*.yaml", "tasks/*.head", "yaml/*.yaml", "data/*.csv", "data/*.parquet", "data/*.jsonl",
                                 "data/banking77/*"]},
     include_package_data=True,
     install_requires=[
@@ -35,6 +35,8 @@ setup(
         "numpy>=2,<3",
         "matplotlib>=3.9,<4",  # the confusion-matrix PNG of --eval_label_column
         "llguidance>=1.9.1,<1.10",  # schema-constrained decoding for extraction (beam_prefix.constraints)
+        "scikit-learn>=1.9,<1.10",  # pipelines.fit: the head's logistic regression and its k-fold choice
+        "safetensors>=0.5,<1",  # trained head files (transformers needs it too)
     ],
     extras_require={
         # Beam YAML pipelines (beam_prefix.yaml_provider) and beam.dataframe on the outputs

@@ -2,9 +2,9 @@
 
 A `prefix_engine.PrefixEngine` whose answer is a label: it derives the labels' tokens
 after the prompt (`labels.label_token_ids`), builds the task's label scorer once
-(`label_scorers.build_scorer`: first token, the whole label trie, or a pruned search of
-it), computes the contextual-calibration offsets, and turns each row's raw scores into a
-`Prediction`. `classify_full` is the no-cache reference and `verify` compares the two.
+(`label_scorers.build_scorer`: first token, the whole label trie, a pruned search of it,
+or a trained head), computes the contextual-calibration offsets, and turns each row's raw
+scores into a `Prediction`. `embed` gives each row's features (what a head reads). `classify_full` is the no-cache reference and `verify` compares the two.
 Threads and forks: as for every engine (`prefix_engine`).
 """
 
@@ -25,8 +25,9 @@ from beam_prefix.labels import label_token_ids
 from beam_prefix.prefix_engine import VERIFY_PROBES, PrefixEngine
 from beam_prefix.prompt import EncodedText
 from beam_prefix.task import TaskSpec
+from beam_prefix.trained_head import feature_fingerprint
 
-__all__ = ["PrefixClassifier", "Prediction", "VERIFY_PROBES"]
+__all__ = ["PrefixClassifier", "Prediction", "Embedding", "VERIFY_PROBES"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Prediction:
         truncated: whether the text was cut to the token budget.
         label_tokens: label-trie tokens run for this row (sequence mode: the whole trie
             with exhaustive search, the nodes it expanded with pruned search; else 0).
+        features: the row's features, when asked for (`classify_encoded(features=True)`).
     """
 
     label: str
@@ -59,10 +61,27 @@ class Prediction:
     text_tokens: int = 0
     truncated: bool = False
     label_tokens: int = 0
+    features: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
 
     def top(self, k: int) -> list[tuple[str, float]]:
         """The `k` most probable labels with their probabilities, best first."""
         return sorted(self.scores.items(), key=lambda item: -item[1])[:k]
+
+
+@dataclasses.dataclass(frozen=True)
+class Embedding:
+    """One text's features (`PrefixClassifier.embed`).
+
+    Attributes:
+        features: the hidden state(s) at the row's last prompt position, concatenated.
+        text_tokens, truncated: as for `Prediction`.
+        suffix_tokens: tokens computed for the row (its suffix).
+    """
+
+    features: tuple[float, ...] = dataclasses.field(repr=False)
+    text_tokens: int = 0
+    truncated: bool = False
+    suffix_tokens: int = 0
 
 
 class PrefixClassifier(PrefixEngine):
@@ -91,26 +110,39 @@ class PrefixClassifier(PrefixEngine):
             (see `beam_prefix.label_search`); every probability is within the tolerance
             of exhaustive scoring.
         label_tolerance: pruned search's stopping tolerance (default: the task's).
+        check_layers: the start-up self-check compares the features at these layers
+            (`verify_features`) instead of the labels: for an engine that only embeds.
     """
 
     task_type = TaskSpec
 
     def __init__(self, *, task: TaskSpec, loaded, batch_size: int = 16, max_batch_tokens: int = 8192,
                  verify: bool = True, atol: float | None = None, prefix_attention: str = "auto",
-                 label_search: str | None = None, label_tolerance: float | None = None):
+                 label_search: str | None = None, label_tolerance: float | None = None,
+                 check_layers: Sequence[int] | None = None):
         if label_search is not None or label_tolerance is not None:  # validated like the task file
             task = task.replace(**{k: v for k, v in (("label_search", label_search),
                                                        ("label_tolerance", label_tolerance)) if v is not None})
         dtype = next(loaded.model.parameters()).dtype
         self.atol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
+        self._check_layers = None if check_layers is None else tuple(check_layers)
         super().__init__(task=task, loaded=loaded, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                          verify=verify, prefix_attention=prefix_attention)
 
     @classmethod
     def _answer(cls, task: TaskSpec, layout) -> Answer:
         ids = label_token_ids(layout, task.label_names)
-        return Answer("longest label", max(len(i) for i in ids),
-                      {"labels": list(task.label_names), "label_ids": [list(i) for i in ids]})
+        identity = {"labels": list(task.label_names), "label_ids": [list(i) for i in ids]}
+        if task.head is not None:  # a head answers: its weights shape the outputs
+            identity["head"] = task.head.identity
+        return Answer("longest label", max(len(i) for i in ids), identity)
+
+    @property
+    def features_fingerprint(self) -> str:
+        """The prompt's fingerprint without a head: what features depend on, and what a
+        head fit on them records (`trained_head.feature_fingerprint` adds dtype and layers)."""
+        identity = {k: v for k, v in self._prompt.answer.identity.items() if k != "head"}
+        return self.layout.fingerprint(self.model_id, identity)
 
     @classmethod
     def _read_task(cls, source) -> TaskSpec:
@@ -120,7 +152,12 @@ class PrefixClassifier(PrefixEngine):
         self.label_ids = tuple(tuple(i) for i in self._prompt.answer.identity["label_ids"])
         self.scorer: LabelScorer = build_scorer(self.task, self.label_ids, self.head,
                                                 prefix_attention=self.prefix_attention)
-        self.mode = self.scorer.mode  # "first_token" or "sequence": what a label's score is
+        if self.task.head is not None:  # a head reads features of this prompt, model and dtype only
+            dtype = next(self.model.parameters()).dtype
+            self.task.head.check(self.task.label_names, feature_fingerprint(self.features_fingerprint, dtype,
+                                                                            self.task.head.layers),
+                                 task=self.task.name, model=self.model_id)
+        self.mode = self.scorer.mode  # "first_token", "sequence" or "head": what a label's score is
         self.label_search = self.scorer.search  # "pruned" or "exhaustive": how much of the trie a row runs
         self._calibration: torch.Tensor | None = None
         if self.task.calibration:
@@ -142,9 +179,34 @@ class PrefixClassifier(PrefixEngine):
         use `classify_encoded` with `encode` to handle them one by one."""
         return self.classify_encoded([self.encode(t) for t in texts])
 
-    def classify_encoded(self, encoded: Sequence[EncodedText]) -> list[Prediction]:
-        """Classify already encoded texts (see `encode`), in batches sorted by length."""
-        return self._predictions(encoded, self.scorer)
+    def classify_encoded(self, encoded: Sequence[EncodedText], *, features: bool = False) -> list[Prediction]:
+        """Classify already encoded texts (see `encode`), in batches sorted by length;
+        `features`: each `Prediction` also carries the row's features (at no extra cost)."""
+        return self._predictions(encoded, self.scorer, features=features)
+
+    def embed(self, texts: Sequence[str], layers: Sequence[int] = (-1,)) -> list["Embedding"]:
+        """Each text's features: its hidden states at its last prompt position, `layers`
+        concatenated (``-1``: the final normalised state); one suffix pass, no labels."""
+        return self.embed_encoded([self.encode(t) for t in texts], layers=layers)
+
+    def embed_encoded(self, encoded: Sequence[EncodedText], *, layers: Sequence[int] = (-1,)) -> list["Embedding"]:
+        """`embed` for already encoded texts."""
+        def run(suffixes):
+            return list(self.scorer.features(self.model, self.prefix_cache, suffixes, working=self._working,
+                                             layers=layers).float().cpu())
+
+        vectors = self._each_batch(encoded, 0, run)
+        return [Embedding(tuple(v.tolist()), e.text_tokens, e.truncated, len(e.suffix_ids))
+                for v, e in zip(vectors, encoded)]
+
+    def embed_full(self, texts: Sequence[str], layers: Sequence[int] = (-1,)) -> list["Embedding"]:
+        """Reference for `embed`: every text's whole prompt re-encoded with no prefix cache."""
+        out = []
+        for text in texts:
+            ids, enc = self.layout.encode_full(text)
+            vector = self.scorer.full_features(self.model, ids, layers).float().cpu()
+            out.append(Embedding(tuple(vector.tolist()), enc.text_tokens, enc.truncated, len(ids)))
+        return out
 
     def classify_exhaustive(self, texts: Sequence[str]) -> list[Prediction]:
         """Classify over the cached prefix with every label's own score (the pruned search's
@@ -188,18 +250,51 @@ class PrefixClassifier(PrefixEngine):
                      len(texts), worst, self.last_check["cached_ms_per_row"], self.last_check["full_ms_per_row"])
         return worst
 
+    def verify_features(self, texts: Iterable[str] = VERIFY_PROBES, layers: Sequence[int] = (-1,)) -> float:
+        """Check cached features (`embed`) against full re-encoding on `texts`: every value
+        within `atol` x the largest magnitude (hidden states are not probabilities).
+
+        Returns:
+            the largest difference seen.
+        Raises:
+            VerificationError: naming the texts whose features differ.
+        """
+        texts = list(texts)
+        cached, full = self._timed(texts, lambda t: self.embed(t, layers), lambda t: self.embed_full(t, layers))
+        diffs = [max(abs(a - b) for a, b in zip(c.features, f.features)) for c, f in zip(cached, full)]
+        scale = max(abs(v) for f in full for v in f.features)
+        bad = [t for t, d in zip(texts, diffs) if d > self.atol * max(scale, 1.0)]
+        if bad:
+            raise VerificationError(f"cached features differ from full re-encoding on {len(bad)} of {len(texts)} texts "
+                                    f"(max difference {max(diffs):.2e}, values up to {scale:.1f}): "
+                                    f"{[t[:60] for t in bad]}", bad)
+        _LOGGER.info("verify: cached features == full re-encoding on %d texts (max diff %.1e of values up to %.1f)",
+                     len(texts), max(diffs), scale)
+        return max(diffs)
+
+    def _self_check(self) -> None:
+        if self._check_layers is not None:
+            self.verify_features(VERIFY_PROBES, self._check_layers)
+        else:
+            self.verify(VERIFY_PROBES)
+
     # -- internals ------------------------------------------------------------------------
 
-    def _predictions(self, encoded: Sequence[EncodedText], scorer: LabelScorer) -> list[Prediction]:
+    def _predictions(self, encoded: Sequence[EncodedText], scorer: LabelScorer, *,
+                     features: bool = False) -> list[Prediction]:
         raw = self._raw_cached(encoded, scorer)
-        return [self._prediction(r, e, len(e.suffix_ids) + n, label_tokens=n) for (r, n), e in zip(raw, encoded)]
+        out = []
+        for (r, n, f), e in zip(raw, encoded):
+            pred = self._prediction(r, e, len(e.suffix_ids) + n, label_tokens=n)
+            out.append(dataclasses.replace(pred, features=tuple(f.float().tolist())) if features else pred)
+        return out
 
-    def _raw_cached(self, encoded: Sequence[EncodedText], scorer: LabelScorer) -> list[tuple[torch.Tensor, int]]:
-        """Raw label scores and label tokens run, per row, in input order."""
+    def _raw_cached(self, encoded: Sequence[EncodedText], scorer: LabelScorer) -> list[tuple]:
+        """(raw label scores, label tokens run, features) per row, in input order."""
         def run(suffixes):
-            raw, runs = scorer.score(self.model, self.prefix_cache, suffixes, working=self._working,
-                                     calibration=self._calibration)
-            return list(zip(raw, runs))
+            scored = scorer.score(self.model, self.prefix_cache, suffixes, working=self._working,
+                                  calibration=self._calibration)
+            return list(zip(scored.raw, scored.label_tokens, scored.features))
 
         return self._each_batch(encoded, scorer.label_tokens, run)
 
@@ -225,7 +320,7 @@ class PrefixClassifier(PrefixEngine):
         # exhaustive: every label's own log-probability, even the far tail, which a pruned
         # search would only bound (and an offset from a bound would misweigh that label)
         raw = self._raw_cached(encoded, self.scorer.exhaustive())
-        logp = torch.stack([torch.log_softmax(r.float(), dim=-1) for r, _ in raw])
+        logp = torch.stack([torch.log_softmax(r.float(), dim=-1) for r, _, _ in raw])
         vector = logp.mean(0)
         _LOGGER.info("calibration over %d content-free texts: %s", len(texts),
                      {n: round(math.exp(v), 3) for n, v in zip(self.task.label_names, vector.tolist())})

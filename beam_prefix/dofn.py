@@ -18,12 +18,14 @@ from beam_prefix.step import FAILED_TAG, StepConfig, failed_record, stamp
 from beam_prefix.task import TaskSpec
 from beam_prefix.worker import PrefixStepDoFn
 
-__all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "LABELED_TAG", "prob_column", "TOP_K_COLUMN",
+__all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "LABELED_TAG", "prob_column", "TOP_K_COLUMN", "FEATURES_COLUMN",
            "PROB_COLUMNS_MAX_LABELS", "FAILED_TAG", "failed_record"]
 
 LABELED_TAG = "labeled"
 # the optional list<struct{label, score}> column of the `top_k` best labels
 TOP_K_COLUMN = "top_k"
+# the optional list<float> column of each row's features (`ClassifyConfig.output_features`)
+FEATURES_COLUMN = "features"
 # per-label `prob_*` columns are on by default for tasks with at most this many labels
 PROB_COLUMNS_MAX_LABELS = 32
 
@@ -44,6 +46,8 @@ class ClassifyConfig(StepConfig):
             tasks of at most `PROB_COLUMNS_MAX_LABELS` labels.
         route: the task's key when rows are routed among several tasks (adds the
             ``task`` and ``task_version`` columns; see `beam_prefix.routing`).
+        output_features: add a ``features`` column: the row's features (what a trained
+            head reads: `PrefixClassifier.embed`), computed by the same pass.
     """
 
     DEFAULT_PREFIX = "classify_"
@@ -53,6 +57,7 @@ class ClassifyConfig(StepConfig):
     top_k: int | None = None
     prob_columns: bool | None = None
     route: str | None = None
+    output_features: bool = False
 
     def __post_init__(self):
         if not isinstance(self.task, TaskSpec):
@@ -75,7 +80,9 @@ class ClassifyConfig(StepConfig):
         top = [TOP_K_COLUMN] if self.top_k else []
         task = ["task"] if self.route is not None else []
         version = ["task_version"] if self.route is not None or self.task.version is not None else []
-        return ["label", "score", *probs, *top, "truncated", *task, *version, "prompt_fingerprint", "model"]
+        features = [FEATURES_COLUMN] if self.output_features else []
+        return ["label", "score", *probs, *top, *features, "truncated", *task, *version, "prompt_fingerprint",
+                "model"]
 
 
 class PrefixCachedClassifyDoFn(PrefixStepDoFn):
@@ -91,7 +98,7 @@ class PrefixCachedClassifyDoFn(PrefixStepDoFn):
         super().__init__(config, step_name=step_name)
 
     def _call(self, clf: PrefixClassifier, encoded: list) -> list:
-        return clf.classify_encoded(encoded)
+        return clf.classify_encoded(encoded, features=self.config.output_features)
 
     def _emit(self, clf: PrefixClassifier, config: ClassifyConfig, row: dict, pred, timestamp):
         self._metrics.suffix_tokens_computed.inc(pred.suffix_tokens)
@@ -110,11 +117,14 @@ def _labeled(clf: PrefixClassifier, config: ClassifyConfig, row: dict, pred) -> 
             out[prob_column(name)] = pred.scores[name]
     if config.top_k:
         out[TOP_K_COLUMN] = [{"label": label, "score": score} for label, score in pred.top(config.top_k)]
-    out[config.column("truncated")] = pred.truncated
-    if config.route is not None:
+    if config.output_features:
+        out[FEATURES_COLUMN] = list(pred.features)
+    if config.route is None:
+        out.update(config.metadata(clf, pred.truncated))
+    else:  # routed rows always say their task and its version
+        out[config.column("truncated")] = pred.truncated
         out[config.column("task")] = config.route
-    if config.route is not None or config.task.version is not None:
         out[config.column("task_version")] = config.task.version
-    out[config.column("prompt_fingerprint")] = clf.fingerprint
-    out[config.column("model")] = clf.model_id
+        out[config.column("prompt_fingerprint")] = clf.fingerprint
+        out[config.column("model")] = clf.model_id
     return out

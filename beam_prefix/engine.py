@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -146,9 +146,12 @@ def seated(working: WorkingCache | None, batch: int, *, plain: bool = False) -> 
         yield cache
 
 
-def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallState | None = None) -> torch.Tensor:
+def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallState | None = None,
+            layers: Sequence[int] | None = None):
     """Run `step` over the prefix; returns hidden states ``[B, Q, H]`` (zeros at pad
-    columns under shared-prefix attention).
+    columns under shared-prefix attention), or with `layers` a tuple of them, one per
+    index into the model's hidden states (``-1``: the final normalised state, as returned
+    without `layers`; ``i``: the output of layer ``i``).
 
     With `cache` None the model must use `attention.SHARED_SDPA`: the batch runs packed
     (no pad token goes through the model) and attends to the batch-1 prefix directly.
@@ -159,14 +162,15 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
     """
     if call is not None and call.length and step.see_past is None:
         raise ValueError("the call has earlier tokens: the step must say which it sees (see_past)")
+    every = layers is not None and tuple(layers) != (-1,)  # the model's hidden states, not only the last
     if cache is None:
         masks = _masks(model, prefix, step, call, shared=True)
         columns = torch.arange(step.ids.shape[1], device=step.ids.device)
         packing = Packing.of([columns[r] for r in step.real], step.ids.shape[1])
-        packed = model.base_model(input_ids=packing.pack(step.ids), attention_mask=masks,
-                                  position_ids=packing.pack(step.positions), use_cache=False,
-                                  **prefix_kwargs(prefix.layers, packing, call)).last_hidden_state
-        hidden = packing.unpack(packed)
+        out = model.base_model(input_ids=packing.pack(step.ids), attention_mask=masks,
+                               position_ids=packing.pack(step.positions), use_cache=False,
+                               output_hidden_states=every, **prefix_kwargs(prefix.layers, packing, call))
+        unpack = packing.unpack
     else:
         if step.causal and call is None:
             # 2-D, any attention implementation; it must span cached + new tokens
@@ -174,10 +178,18 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
                                           device=step.ids.device), step.real.long()], dim=1)
         else:
             masks = _masks(model, prefix, step, call, shared=False)
-        hidden = model.base_model(input_ids=step.ids, attention_mask=masks, position_ids=step.positions,
-                                  cache=cache, use_cache=True).last_hidden_state
+        out = model.base_model(input_ids=step.ids, attention_mask=masks, position_ids=step.positions,
+                               cache=cache, use_cache=True, output_hidden_states=every)
+        unpack = _as_is
     if call is not None:
         call.commit(step)
+    if layers is None:
+        return unpack(out.last_hidden_state)
+    states = out.hidden_states if every else (out.last_hidden_state,)
+    return tuple(unpack(states[i] if every else states[0]) for i in layers)
+
+
+def _as_is(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 

@@ -44,7 +44,8 @@ import re
 from typing import Any, Mapping
 
 from beam_prefix.errors import TaskSpecError
-from beam_prefix.task import PromptTask, TaskSpec, _as_sequence, _short, read_task_file, validate_common
+from beam_prefix.task import PromptTask, TaskSpec, _as_sequence, _short, validate_common
+from beam_prefix.task_file import read_task_file
 
 __all__ = ["Field", "ExtractExample", "ExtractionSpec", "FIELD_TYPES", "load_task"]
 
@@ -259,8 +260,11 @@ def load_task(source) -> TaskSpec | ExtractionSpec:
     kind = data.get("kind", "classify") if isinstance(data, Mapping) else "classify"
     if kind not in ("classify", "extract"):
         raise TaskSpecError(f"{where}: kind must be 'classify' or 'extract', got {_short(kind)}")
-    cls = ExtractionSpec if kind == "extract" else TaskSpec
-    spec = cls.from_dict(data, source=where)
+    if kind == "extract":
+        spec = ExtractionSpec.from_dict(data, source=where)
+    else:
+        spec = TaskSpec.from_dict(data, source=where,
+                                  base_dir=os.path.dirname(os.path.abspath(path)) if path is not None else None)
     if path is not None and spec.name == "task":
         spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
     return spec

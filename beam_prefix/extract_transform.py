@@ -23,7 +23,6 @@ import dataclasses
 import os
 from typing import Optional
 
-import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.typehints.row_type import RowTypeConstraint
 
@@ -31,8 +30,8 @@ from beam_prefix.extract_task import ExtractionSpec, load_task
 from beam_prefix.extractor import Extraction, Extractor
 from beam_prefix.metrics import NAMESPACE
 from beam_prefix.model import EMBEDDED
-from beam_prefix.schemas import input_fields, kept_fields
-from beam_prefix.step import StepConfig, StepResult, as_rows, batched_step, batching_args, stamp
+from beam_prefix.schemas import kept_fields
+from beam_prefix.step import PrefixStep, StepConfig, StepResult, batching_args, stamp
 from beam_prefix.worker import PrefixStepDoFn
 
 __all__ = ["ExtractFields", "ExtractConfig", "ExtractFieldsDoFn", "EXTRACTED_TAG", "extracted_type"]
@@ -91,11 +90,7 @@ class ExtractFieldsDoFn(PrefixStepDoFn):
         out = dict(row) if keep is None else {c: row.get(c) for c in keep}
         out.update(result.values)
         out["raw_output"] = result.raw_output
-        out[config.column("truncated")] = result.truncated
-        if config.task.version is not None:
-            out[config.column("task_version")] = config.task.version
-        out[config.column("prompt_fingerprint")] = extractor.fingerprint
-        out[config.column("model")] = extractor.model_id
+        out.update(config.metadata(extractor, result.truncated))
         self._extracted.inc()
         yield stamp(out, timestamp)
 
@@ -105,14 +100,11 @@ def extracted_type(config: ExtractConfig, fields) -> RowTypeConstraint:
     fields = kept_fields(config, fields)
     added = [(f.name, Optional[_PYTHON_TYPES[f.type]] if f.nullable else _PYTHON_TYPES[f.type])
              for f in config.task.fields]
-    added += [("raw_output", str), (config.column("truncated"), bool)]
-    if config.task.version is not None:
-        added.append((config.column("task_version"), str))
-    added += [(config.column("prompt_fingerprint"), str), (config.column("model"), str)]
+    added += [("raw_output", str), *config.metadata_fields()]
     return RowTypeConstraint.from_fields(list(fields) + added)
 
 
-class ExtractFields(beam.PTransform):
+class ExtractFields(PrefixStep):
     """Extract typed fields from text rows with a prefix-cached causal LM.
 
     Args:
@@ -144,7 +136,6 @@ class ExtractFields(beam.PTransform):
                  max_text_tokens: int | None = None, overflow: str | None = None, max_new_tokens: int | None = None,
                  verify: bool = True, keep_columns=None, metadata_prefix: str | None = None,
                  device: str = "cpu", label: str | None = None):
-        super().__init__(label)
         spec = task if isinstance(task, ExtractionSpec) else load_task(task)
         if not isinstance(spec, ExtractionSpec):
             raise ValueError(f"ExtractFields needs a task with kind: extract; {task!r} is a classification task "
@@ -153,28 +144,21 @@ class ExtractFields(beam.PTransform):
                                      ("max_new_tokens", max_new_tokens)) if v is not None}
         if changes:
             spec = spec.replace(**changes)
-        self._config = ExtractConfig(task=spec, model=model or spec.model or EMBEDDED, text_column=text_column,
-                                     id_column=id_column, dtype=dtype, threads=threads, batch_size=batch_size,
-                                     verify=verify, keep_columns=None if keep_columns is None else tuple(keep_columns),
-                                     metadata_prefix=metadata_prefix, device=device)
-        self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs,
-                                       start_full=True)
+        super().__init__(ExtractConfig(task=spec, model=model or spec.model or EMBEDDED, text_column=text_column,
+                                       id_column=id_column, dtype=dtype, threads=threads, batch_size=batch_size,
+                                       verify=verify, keep_columns=None if keep_columns is None else tuple(keep_columns),
+                                       metadata_prefix=metadata_prefix, device=device),
+                         batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs,
+                                       start_full=True), label)
 
-    @property
-    def config(self) -> ExtractConfig:
-        return self._config
+    main, dofn, step, rows_step = EXTRACTED_TAG, ExtractFieldsDoFn, "Extract", "ExtractedRows"
 
-    def expand(self, rows):
-        fields = input_fields(rows.element_type)
-        # an earlier step's metadata columns (ClassifyText's) get this step's prefix beside them
-        config = self._config.for_input([name for name, _ in fields or ()])
-        extracted, failed = batched_step(rows, ExtractFieldsDoFn(config, step_name=self.label),
-                                         main=EXTRACTED_TAG, label=self.label, step="Extract", **self._batching)
-        records = failed
-        if fields:  # schema'd input: schema'd outputs
-            extracted, failed = as_rows(extracted, failed, extracted_type(config, fields), "ExtractedRows")
-        return ExtractResult(extracted=extracted, failed=failed, _records=records)
+    def row_type(self, config, fields):
+        return extracted_type(config, fields)
 
 
 class ExtractResult(StepResult):
     """`ExtractFields`' outputs: ``extracted`` and ``failed``, as attributes or keys."""
+
+
+ExtractFields.result = ExtractResult

@@ -11,7 +11,13 @@ classifier by `build_scorer` from the task (`SCORERS` is the registry):
   label trie run in the same pass as the suffix (each trie token attends to the prefix,
   the row's suffix and its own ancestors: tree attention through a 4-D mask);
 * `PrunedTrieScorer` (``pruned``): the same scores to `label_tolerance`, expanding the
-  trie best-first (`beam_prefix.label_search`).
+  trie best-first (`beam_prefix.label_search`);
+* `HeadScorer` (``head``): no label tokens at all: a trained linear head
+  (`beam_prefix.trained_head`) on the row's hidden state(s) at its last position.
+
+Every scorer also hands back each row's *features*, the hidden state(s) at its last suffix
+position that the suffix pass computed anyway (the final normalised state; a head's own
+layers), so callers can output them at no extra cost.
 
 Adding a scorer is one subclass with a `name` and one `register` line; `build_scorer`
 picks it when the task's `scoring` names it.
@@ -24,7 +30,7 @@ model's device.
 
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from typing import ClassVar, NamedTuple, Sequence
 
 import torch
 
@@ -34,8 +40,17 @@ from beam_prefix.labels import LabelTrie
 from beam_prefix.output_head import OutputHead
 from beam_prefix.prefix_cache import PrefixCache, WorkingCache, new_cache
 
-__all__ = ["LabelScorer", "FirstTokenScorer", "TrieScorer", "PrunedTrieScorer", "SCORERS", "register",
-           "scorer_name", "build_scorer"]
+__all__ = ["LabelScorer", "Scored", "FirstTokenScorer", "TrieScorer", "PrunedTrieScorer", "HeadScorer", "SCORERS",
+           "register", "scorer_name", "build_scorer"]
+
+
+class Scored(NamedTuple):
+    """A batch's scores: raw label scores ``[B, K]``, the label tokens each row ran, and each
+    row's features ``[B, F]`` (see the module docstring)."""
+
+    raw: torch.Tensor
+    label_tokens: list[int]
+    features: torch.Tensor
 
 
 class LabelScorer:
@@ -48,7 +63,7 @@ class LabelScorer:
     """
 
     name: ClassVar[str]
-    mode: ClassVar[str] = "first_token"  # what a label's score is: "first_token" or "sequence"
+    mode: ClassVar[str] = "first_token"  # what a label's score is: "first_token", "sequence" or "head"
     search: ClassVar[str] = "exhaustive"  # how much of the labels a row runs: "exhaustive" or "pruned"
 
     def __init__(self, task, label_ids: Sequence[Sequence[int]], head: OutputHead):
@@ -61,27 +76,39 @@ class LabelScorer:
         return 0
 
     def score(self, model, prefix: PrefixCache, suffixes: Sequence[Sequence[int]], *,
-              working: WorkingCache | None, calibration: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
-        """Raw scores ``[B, K]`` (log-likelihoods up to a per-row constant) and the label
-        tokens run per row. `working`: the expanded engine's working cache (None: shared-prefix
-        attention); `calibration`: ``[K]`` log-space offsets, for scorers that search by them."""
+              working: WorkingCache | None, calibration: torch.Tensor | None) -> Scored:
+        """Raw scores ``[B, K]`` (log-likelihoods up to a per-row constant), the label tokens
+        run per row, and the rows' features. `working`: the expanded engine's working cache
+        (None: shared-prefix attention); `calibration`: ``[K]`` log-space offsets, for scorers
+        that search by them."""
         raise NotImplementedError
+
+    def features(self, model, prefix: PrefixCache, suffixes: Sequence[Sequence[int]], *,
+                 working: WorkingCache | None, layers: Sequence[int] = (-1,)) -> torch.Tensor:
+        """Each row's hidden states at its last suffix position, `layers` concatenated:
+        ``[B, H * len(layers)]`` (one suffix pass, no label tokens)."""
+        step = Step.suffixes(suffixes, prefix.length, self.device)
+        rows = torch.arange(len(suffixes), device=self.device)
+        with torch.inference_mode():
+            with seated(working, len(suffixes)) as cache:
+                states = forward(model, prefix, step, cache=cache, layers=layers)
+            return torch.cat([s[rows, step.lengths - 1] for s in states], dim=-1)
 
     def full(self, model, prompt_ids: Sequence[int]) -> torch.Tensor:
         """The reference raw scores ``[K]`` of one whole prompt, re-encoded with no cache."""
         raise NotImplementedError
 
+    def full_features(self, model, prompt_ids: Sequence[int], layers: Sequence[int] = (-1,)) -> torch.Tensor:
+        """The reference of `features` for one whole prompt, re-encoded with no cache:
+        ``[H * len(layers)]``."""
+        with torch.inference_mode():
+            states = model.base_model(input_ids=_ids(prompt_ids, self.device), use_cache=False,
+                                      output_hidden_states=True).hidden_states
+            return torch.cat([states[i][0, -1] for i in layers], dim=-1)
+
     def exhaustive(self) -> "LabelScorer":
         """The scorer that computes every label's own score (what a search is checked against)."""
         return self
-
-    def _suffix_pass(self, model, prefix: PrefixCache, suffixes, working) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's hidden state after its last suffix token ``[B, H]``, and the hidden
-        states of the whole step ``[B, Q, H]``."""
-        step = Step.suffixes(suffixes, prefix.length, self.device)
-        with seated(working, len(suffixes)) as cache:
-            hidden = forward(model, prefix, step, cache=cache)
-        return hidden[torch.arange(len(suffixes), device=self.device), step.lengths - 1], hidden
 
 
 SCORERS: dict[str, type[LabelScorer]] = {}
@@ -107,9 +134,9 @@ class FirstTokenScorer(LabelScorer):
         self.first_ids = torch.tensor(firsts, dtype=torch.long, device=self.device)
 
     def score(self, model, prefix, suffixes, *, working, calibration):
+        last = self.features(model, prefix, suffixes, working=working)
         with torch.inference_mode():
-            last, _ = self._suffix_pass(model, prefix, suffixes, working)
-            return self.head.logits_for(last, self.first_ids), [0] * len(suffixes)
+            return Scored(self.head.logits_for(last, self.first_ids), [0] * len(suffixes), last)
 
     def full(self, model, prompt_ids):
         with torch.inference_mode():
@@ -147,7 +174,7 @@ class TrieScorer(LabelScorer):
             n_edges = trie.edge_token.shape[0]
             edge_logits = head.pair_logits(edge_hidden.reshape(batch * n_edges, -1),
                                            trie.edge_token.repeat(batch)).view(batch, n_edges)
-            return trie.label_scores(edge_logits - lse[:, trie.edge_parent]), [t] * batch
+            return Scored(trie.label_scores(edge_logits - lse[:, trie.edge_parent]), [t] * batch, last)
 
     def full(self, model, prompt_ids):
         """One pass over the prompt, then each label's tokens one label at a time on that
@@ -200,7 +227,8 @@ class PrunedTrieScorer(TrieScorer):
         with torch.inference_mode():
             with seated(working, batch, plain=True) as cache:
                 hidden = forward(model, prefix, step, cache=cache, call=call)
-                search.expand_root(head, hidden[torch.arange(batch, device=self.device), step.lengths - 1])
+                last = hidden[torch.arange(batch, device=self.device), step.lengths - 1]
+                search.expand_root(head, last)
                 column = torch.full((batch, trie.size), -1, dtype=torch.long, device=self.device)
                 while True:  # one round: the chosen nodes of every row in one packed pass
                     nodes, real = search.choose()
@@ -212,7 +240,28 @@ class PrunedTrieScorer(TrieScorer):
                     rows, cols = real.nonzero(as_tuple=True)
                     column[rows, nodes[rows, cols]] = start + cols  # where each node's keys sit in the call
                     search.expand(head, hidden[rows, cols], rows, nodes[rows, cols])
-        return search.raw_scores(), search.expanded.sum(-1).tolist()
+        return Scored(search.raw_scores(), search.expanded.sum(-1).tolist(), last)
+
+
+@register
+class HeadScorer(LabelScorer):
+    """A trained head (`task.head`, a `trained_head.TrainedHead`) on the row's hidden
+    state(s) at its last position: the suffix pass only, however many labels."""
+
+    name = "head"
+    mode = "head"
+
+    def __init__(self, task, label_ids, head):
+        super().__init__(task, label_ids, head)
+        self.trained = task.head
+
+    def score(self, model, prefix, suffixes, *, working, calibration):
+        features = self.features(model, prefix, suffixes, working=working, layers=self.trained.layers)
+        return Scored(self.trained.logits(features), [0] * len(suffixes), features)
+
+    def full(self, model, prompt_ids):
+        """The whole prompt re-encoded with no cache; the head on its last position."""
+        return self.trained.logits(self.full_features(model, prompt_ids, self.trained.layers)[None])[0]
 
 
 def scorer_name(task, label_ids: Sequence[Sequence[int]], prefix_attention: str) -> str:

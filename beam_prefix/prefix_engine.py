@@ -81,7 +81,7 @@ class PrefixEngine:
         self.startup = {"prefix_build_s": time.perf_counter() - start}
         if verify:
             start = time.perf_counter()
-            self.verify(VERIFY_PROBES)
+            self._self_check()
             self.startup["self_check_s"] = time.perf_counter() - start
             self.startup.update(self.last_check)
 
@@ -103,6 +103,10 @@ class PrefixEngine:
     def verify(self, texts: Sequence[str] = VERIFY_PROBES):
         """Check cached results against full re-encoding on `texts`."""
         raise NotImplementedError
+
+    def _self_check(self) -> None:
+        """The start-up check (default: `verify` on `VERIFY_PROBES`; sets `last_check`)."""
+        self.verify(VERIFY_PROBES)
 
     # -- the lifecycle ------------------------------------------------------------------
 

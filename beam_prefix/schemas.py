@@ -83,7 +83,8 @@ def labeled_type(config, fields: Sequence[tuple[str, Any]]) -> RowTypeConstraint
     """The ``labeled`` row type for input `fields` and a `ClassifyConfig`."""
     fields = kept_fields(config, fields)
     added = {"label": str, "score": float, "truncated": bool, "prompt_fingerprint": str, "model": str,
-             "top_k": typing.List[TOP_K_ENTRY], "task": str, "task_version": Optional[str]}
+             "top_k": typing.List[TOP_K_ENTRY], "task": str, "task_version": Optional[str],
+             "features": typing.List[float]}
     return RowTypeConstraint.from_fields(
         list(fields) + [(config.column(name), added.get(name, float))  # prob_*: float
                         for name in config.added_columns()])

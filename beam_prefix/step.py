@@ -31,7 +31,7 @@ from beam_prefix.schemas import FAILED_TYPE, ToRow, failed_row, input_fields
 
 __all__ = ["StepConfig", "StepResult", "Stamped", "FAILED_TAG", "METADATA_COLUMNS", "stamp", "unstamp",
            "failed_record", "as_dict", "text_of", "row_config", "batching_args", "batched_step", "as_rows",
-           "refuse_clashing_fields", "with_timestamp"]
+           "refuse_clashing_fields", "with_timestamp", "PrefixStep"]
 
 FAILED_TAG = "failed"
 # columns that say how a row was produced, not what was found in it (see StepConfig.metadata_prefix)
@@ -114,6 +114,21 @@ class StepConfig:
     def added_columns(self) -> list[str]:
         """The columns this step adds, unprefixed."""
         raise NotImplementedError
+
+    def metadata(self, engine, truncated: bool) -> dict:
+        """The metadata columns' values for a row the step's engine produced (prefixed)."""
+        out = {self.column("truncated"): truncated}
+        if self.task.version is not None:
+            out[self.column("task_version")] = self.task.version
+        out[self.column("prompt_fingerprint")] = engine.fingerprint
+        out[self.column("model")] = engine.model_id
+        return out
+
+    def metadata_fields(self) -> list[tuple[str, type]]:
+        """The metadata columns' (name, type) in a schema'd output (prefixed)."""
+        version = [(self.column("task_version"), str)] if self.task.version is not None else []
+        return [(self.column("truncated"), bool), *version, (self.column("prompt_fingerprint"), str),
+                (self.column("model"), str)]
 
     def column(self, name: str) -> str:
         """The output name of added column `name` (a metadata column gets the prefix)."""
@@ -271,6 +286,43 @@ def refuse_clashing_fields(config, fields, label: str) -> None:
                              f"the same name; rename them, or pass keep_columns without them")
 
 
+class PrefixStep(beam.PTransform):
+    """A Beam step over one prefix-cached engine: rows -> its main output and ``failed``.
+
+    A kind sets `main` (the main output's name), `dofn` (its `worker.PrefixStepDoFn`),
+    `step` and `rows_step` (step names) and `row_type` (its schema'd output for input
+    fields), and builds its `StepConfig` and batching arguments in its constructor."""
+
+    main: ClassVar[str]
+    dofn: ClassVar[type]
+    step: ClassVar[str]
+    rows_step: ClassVar[str]
+
+    def __init__(self, config: StepConfig, batching: dict, label: str | None = None):
+        super().__init__(label)
+        self._config, self._batching = config, batching
+
+    @property
+    def config(self):
+        return self._config
+
+    def row_type(self, config, fields):
+        raise NotImplementedError
+
+    def expand(self, rows):
+        fields = input_fields(rows.element_type)
+        # an earlier step's metadata columns (schema'd input: known now) get this step's prefix beside them
+        config = self._config.for_input([name for name, _ in fields or ()])
+        main, failed = batched_step(rows, self.dofn(config, step_name=self.label), main=self.main, label=self.label,
+                                    step=self.step, **self._batching)
+        records = failed
+        if fields:  # schema'd input: schema'd outputs
+            main, failed = as_rows(main, failed, self.row_type(config, fields), self.rows_step)
+        return self.result(**{self.main: main}, failed=failed, _records=records)
+
+    result: ClassVar[type]  # set below: `StepResult`
+
+
 class StepResult(dict):
     """A step's outputs, e.g. `ClassifyText`'s ``result.labeled`` / ``result["labeled"]``
     and ``result.failed`` / ``result["failed"]`` (a dict, as Beam YAML expects).
@@ -288,3 +340,6 @@ class StepResult(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+PrefixStep.result = StepResult

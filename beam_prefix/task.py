@@ -1,10 +1,10 @@
 """The classification task: instructions, labels, few-shot examples, suffix template.
 
-A `TaskSpec` is pure configuration (a frozen dataclass validated at construction); it
-knows nothing about tokenizers or models. `TaskSpec.from_yaml` reads a task file of at
-most `MAX_TASK_FILE_BYTES` with a safe loader that also refuses aliases (no "billion
-laughs") and duplicate keys; every problem is a `TaskSpecError` that names the field and
-the fix.
+A `TaskSpec` is configuration (a frozen dataclass validated at construction); it knows
+nothing about tokenizers or models (a ``scoring: head`` task holds its trained head's
+weights, read with the task). `TaskSpec.from_yaml` reads a task file through
+`beam_prefix.task_file` (bounded, safe); every problem is a `TaskSpecError` that names the
+field and the fix.
 
 Task file format::
 
@@ -24,6 +24,9 @@ Task file format::
     scoring: auto                # auto, first_token or sequence
     label_search: auto           # sequence scoring: auto, pruned (exact to label_tolerance) or exhaustive
     label_tolerance: 1.0e-5      # pruned search stops when unexplored mass < this x resolved mass
+    # or, with a head fit on labelled rows (python -m pipelines.fit):
+    scoring: head
+    head: support_tickets.head   # relative to the task file
 """
 
 from __future__ import annotations
@@ -33,23 +36,21 @@ import os
 import string
 from typing import Any, Mapping, Sequence
 
-import yaml
-
 from beam_prefix.errors import TaskSpecError
+from beam_prefix.task_file import MAX_TASK_FILE_BYTES, _cut, nesting_depth, read_task_file
 
 __all__ = ["Label", "Example", "TaskSpec", "PromptTask", "read_task_file", "validate_common", "suffix_parts", "nesting_depth", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
 
-MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
-MAX_TASK_DEPTH = 32  # a task file nests 4 levels (fields -> a field -> values -> a value); YAML allows thousands
 _MAX_NAME_CHARS = 200
 
 DEFAULT_CALIBRATION_TEXTS = ("N/A", "", "[MASK]")
 _OVERFLOW_POLICIES = ("truncate", "reject")
-_SCORING_MODES = ("auto", "first_token", "sequence")
+_SCORING_MODES = ("auto", "first_token", "sequence", "head")
 LABEL_SEARCHES = ("auto", "pruned", "exhaustive")
 _KNOWN_KEYS = {
     "name", "instructions", "labels", "examples", "suffix_template", "model",
     "calibration", "max_text_tokens", "overflow", "scoring", "label_search", "label_tolerance", "version", "kind",
+    "head",
 }
 
 
@@ -153,6 +154,9 @@ class TaskSpec(PromptTask):
             not explored is below this fraction of the mass of the labels it resolved.
         version: optional version of the prompt, in the fingerprint and on every output
             row (``task_version``), so a changed prompt is visible downstream.
+        head: with ``scoring: head``, the trained head (`trained_head.TrainedHead`, or the
+            path of its file, read here; in a task file relative to the file): labels are
+            scored by it instead of by the language model's label tokens.
     """
 
     instructions: str
@@ -168,6 +172,7 @@ class TaskSpec(PromptTask):
     label_search: str = "auto"
     label_tolerance: float = 1e-5
     version: str | None = None
+    head: Any = None
 
     def __post_init__(self):
         labels = tuple(_coerce_label(label) for label in _as_sequence(self.labels, "labels"))
@@ -216,6 +221,30 @@ class TaskSpec(PromptTask):
                 object.__setattr__(self, "label_tolerance", tol)
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise TaskSpecError(f"label_tolerance: expected a number between 0 and 1 (exclusive), got {tol!r}")
+        self._validate_head()
+
+    def _validate_head(self) -> None:
+        """``scoring: head`` needs a head for exactly these labels, and no calibration (the
+        head's probabilities are its own); a head needs ``scoring: head``."""
+        if self.head is None:
+            if self.scoring == "head":
+                raise TaskSpecError("scoring: head needs a head (head: FILE; fit one with python -m pipelines.fit)")
+            return
+        if self.scoring != "head":
+            raise TaskSpecError(f"head: a trained head is used with scoring: head, not {self.scoring!r}")
+        if self.calibration:
+            raise TaskSpecError("calibration does not apply to a trained head (its probabilities are fit on "
+                                "labelled rows): remove calibration, or use scoring: auto")
+        from beam_prefix.trained_head import TrainedHead
+
+        if isinstance(self.head, (str, os.PathLike)):
+            object.__setattr__(self, "head", TrainedHead.load(self.head))
+        if not isinstance(self.head, TrainedHead):
+            raise TaskSpecError(f"head: expected a head file path, got {type(self.head).__name__}")
+        if self.head.labels != self.label_names:
+            raise TaskSpecError(f"head {self.head.source or self.head.identity} was fit for labels "
+                                f"{list(self.head.labels)[:6]}... ({len(self.head.labels)}), the task has "
+                                f"{list(self.label_names)[:6]}... ({len(self.label_names)})")
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -243,8 +272,12 @@ class TaskSpec(PromptTask):
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, source: str = "task") -> "TaskSpec":
-        """Build a task from a parsed mapping (the YAML document)."""
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "task", base_dir: str | None = None) -> "TaskSpec":
+        """Build a task from a parsed mapping (the YAML document); a relative `head` path is
+        read from `base_dir` (the task file's directory)."""
+        if isinstance(data, Mapping) and isinstance(data.get("head"), str) and base_dir \
+                and not os.path.isabs(data["head"]):
+            data = {**data, "head": os.path.join(base_dir, data["head"])}
         if isinstance(data, Mapping) and data.get("kind", cls.kind) != cls.kind:
             raise TaskSpecError(f"{source}: kind {_short(data.get('kind'))} is not a classification task; "
                                 f"read it with beam_prefix.load_task")
@@ -255,7 +288,8 @@ class TaskSpec(PromptTask):
     def from_yaml(cls, path: str | os.PathLike) -> "TaskSpec":
         """Read a task file (YAML, safe-loaded)."""
         path = os.fspath(path)
-        spec = cls.from_dict(read_task_file(path), source=f"task file {path!r}")
+        spec = cls.from_dict(read_task_file(path), source=f"task file {path!r}",
+                             base_dir=os.path.dirname(os.path.abspath(path)))
         if spec.name == "task":
             spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
         return spec
@@ -297,72 +331,6 @@ def suffix_parts(template: str) -> tuple[str, str]:
     marker = "\x00TEXT\x00"
     head, tail = template.format(text=marker).split(marker)
     return head, tail
-
-
-def read_task_file(path: str) -> Any:
-    """The parsed YAML document of a task file, of any kind (bounded, no aliases or duplicate keys)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TASK_FILE_BYTES + 1)
-    except OSError as e:
-        raise TaskSpecError(f"task file {path!r} cannot be read: {e}") from e
-    if len(raw) > MAX_TASK_FILE_BYTES:
-        raise TaskSpecError(f"task file {path!r} is larger than {MAX_TASK_FILE_BYTES:,} bytes")
-    try:
-        data = yaml.load(raw.decode("utf-8"), Loader=_TaskLoader)  # noqa: S506 - a SafeLoader
-    except UnicodeDecodeError as e:
-        raise TaskSpecError(f"task file {path!r} is not UTF-8: {e}") from None
-    except yaml.YAMLError as e:
-        raise TaskSpecError(f"task file {path!r} is not valid YAML: {_cut(str(e), 500)}") from None
-    except RecursionError:  # the YAML composer recurses once per level
-        raise TaskSpecError(f"task file {path!r} is nested too deeply (at most {MAX_TASK_DEPTH} levels)") from None
-    if nesting_depth(data, MAX_TASK_DEPTH) > MAX_TASK_DEPTH:  # later checks (and their messages) recurse too
-        raise TaskSpecError(f"task file {path!r} is nested too deeply (at most {MAX_TASK_DEPTH} levels)")
-    return data
-
-
-def nesting_depth(data: Any, limit: int) -> int:
-    """How deeply lists and mappings nest in `data`, counted up to ``limit + 1``
-    (iteratively: a value nested past Python's recursion limit is measured too)."""
-    deepest, stack = 0, [(data, 1)]
-    while stack:
-        value, level = stack.pop()
-        if isinstance(value, Mapping):
-            children = list(value.keys()) + list(value.values())
-        elif isinstance(value, (list, tuple)):
-            children = list(value)
-        else:
-            continue
-        deepest = max(deepest, level)
-        if level <= limit:  # past the limit the answer is known
-            stack.extend((child, level + 1) for child in children)
-    return deepest
-
-
-class _TaskLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` without aliases (an alias bomb expands to gigabytes) and without
-    duplicate keys (YAML lets the last one win silently)."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.constructor.ConstructorError(
-                None, None, f"anchors and aliases (*{event.anchor}) are not allowed in task files", event.start_mark)
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 def _short(value: Any, limit: int = 80) -> str:

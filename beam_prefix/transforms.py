@@ -72,6 +72,8 @@ class ClassifyText(beam.PTransform):
             input already has such columns (an earlier step's): then ``classify_``.
         device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``: where each worker
             process places the model (README, "GPU workers").
+        output_features: add a ``features`` column (a list of floats): each row's features
+            from the same pass (`beam_prefix.embed_transform`; what a trained head reads).
 
     Returns:
         a `ClassifyResult`: ``labeled`` and ``failed`` PCollections (as attributes or
@@ -89,7 +91,8 @@ class ClassifyText(beam.PTransform):
                  label_tolerance: float | None = None, top_k: int | None = None,
                  prob_columns: bool | None = None, keep_columns=None, max_batch_duration_secs: float | None = None,
                  tasks=None, task_column: str | None = None, max_prefix_cache_mb: float | None = None,
-                 metadata_prefix: str | None = None, device: str = "cpu", label: str | None = None):
+                 metadata_prefix: str | None = None, device: str = "cpu", output_features: bool = False,
+                 label: str | None = None):
         super().__init__(label)
         if (task is None) == (tasks is None):
             raise ValueError("give either task (one prompt) or tasks with task_column (a prompt per row)")
@@ -112,6 +115,7 @@ class ClassifyText(beam.PTransform):
         self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs)
         base = dict(model=model, text_column=text_column, id_column=id_column, dtype=dtype, threads=threads,
                     batch_size=batch_size, verify=verify, top_k=top_k, prob_columns=prob_columns,
+                    output_features=output_features,
                     keep_columns=None if keep_columns is None else tuple(keep_columns),
                     max_prefix_cache_mb=max_prefix_cache_mb or DEFAULT_MAX_PREFIX_CACHE_MB,
                     metadata_prefix=metadata_prefix, device=device)

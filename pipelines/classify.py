@@ -26,7 +26,7 @@ from pipelines.options import DEFAULT_OUTPUT, SAMPLE_GOLD_COLUMN, ClassifyOption
 from pipelines.publish import Staging
 from pipelines.sinks import Destination, kept_columns, labeled_schema
 from pipelines.sources import describe_input, input_schema, require_columns
-from pipelines.summary import GOLD_KEY, LabelCounter, stash_gold
+from pipelines.summary import FIT_KEY, GOLD_KEY, LabelCounter, stash_gold
 
 __all__ = ["build", "run", "main", "Plan", "explain", "RunFailed"]
 
@@ -49,7 +49,10 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
     require_columns(options, schema, {"--eval_label_column": [gold], "--task_column": [c.task_column]})
     # labelled rows carry only what the output keeps (and the stashed gold label): an input
     # column named like an output column (a gold `label`) is dropped, not overwritten
-    classify = classify_transform(options, keep_columns=[f.name for f in kept] + ([GOLD_KEY] if gold else []))
+    task = classify_transform(options).config.task
+    head = task.head if gold and c.task_dir is None else None  # (routed: each task its own; not separated)
+    stashed = ([GOLD_KEY] if gold else []) + ([FIT_KEY] if head is not None else [])
+    classify = classify_transform(options, keep_columns=[f.name for f in kept] + stashed)
     task = classify.config.task
     routes = classify.routes
     for config in ([classify.config] if routes is None else [c for _, c in routes.configs]):
@@ -62,14 +65,16 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
     launch.read_run_write(p, options, classify, step_name="ClassifyText", main="labeled", kept=kept,
                           out_schema=out_schema, typed=schema is not None, on_row=LabelCounter(gold),
                           to=(labeled_to, failed_to), staging=staging, label="Labeled",
-                          before=(lambda rows: stash_gold(rows, gold)) if gold else None)
+                          before=(lambda rows: stash_gold(rows, gold, head=head, text_column=o.text_column))
+                          if gold else None)
 
     _LOGGER.info("input: %s; task %s (%d labels); model %s; labelled rows -> %s; failed rows -> %s",
                  describe_input(options), task_name, len(labels), classify.config.model,
                  labeled_to.describe(), failed_to.describe())
     return Plan(task=task_name, model=classify.config.model, labels=labels,
                 outputs={"labeled": labeled_to.describe(), "failed": failed_to.describe()},
-                summary_path=summary_path, eval_label_column=gold, staging=staging)
+                summary_path=summary_path, eval_label_column=gold, staging=staging,
+                head=None if head is None else (head.source or head.identity))
 
 
 def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = None, *,

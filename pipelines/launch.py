@@ -55,6 +55,7 @@ class Plan:
     eval_label_column: str | None
     staging: Staging
     kind: str = "classify"
+    head: str | None = None  # the trained head the task answers with (its rows are kept out of accuracy)
 
 
 def _stage(options: PipelineOptions, labeled_to: Destination, failed_to: Destination, *,
@@ -178,7 +179,8 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         if state is not None and str(state).upper().endswith(("FAILED", "CANCELLED", "DRAINED")):
             raise RunFailed(f"the runner ended the job in state {state}")
         summary = summarize(result, wall_s=wall_s, labels=plan.labels, outputs=plan.outputs, model=plan.model,
-                            task=plan.task, eval_label_column=plan.eval_label_column, kind=plan.kind)
+                            task=plan.task, eval_label_column=plan.eval_label_column, kind=plan.kind,
+                            head=plan.head)
         if plan.summary_path:
             if summary.get("evaluation") and summary["evaluation"]["rows"]:
                 png = confusion_path(plan.summary_path)

@@ -140,6 +140,9 @@ class ClassifyOptions(PipelineOptions):
         group.add_argument("--top_k", type=int, default=None,
                            help="Add a top_k column: the N most probable labels, best first, as a list of "
                                 "{label, score} records (Parquet list<struct>, BigQuery REPEATED RECORD).")
+        group.add_argument("--output_features", default=None, choices=("true", "false"),
+                           help="Add a features column (list<float>): each row's features from the same pass, what "
+                                "a trained head reads (for clustering, dedup or a model of your own).")
         group.add_argument("--prob_columns", default=None, choices=("true", "false"),
                            help="One prob_<label> column per label (default: true for tasks of at most 32 "
                                 "labels, else false).")
@@ -210,4 +213,4 @@ def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyT
                         max_text_tokens=o.max_text_tokens, overflow=o.overflow, calibration=calibration,
                         verify=o.verify == "true", label_search=c.label_search, top_k=c.top_k,
                         prob_columns=None if c.prob_columns is None else c.prob_columns == "true",
-                        keep_columns=keep_columns, device=o.device)
+                        keep_columns=keep_columns, device=o.device, output_features=c.output_features == "true")

@@ -26,7 +26,7 @@ from beam_prefix.schemas import failed_values
 from beam_prefix.schemas import json_text as to_json  # the pipelines' name for it
 from pipelines.options import StepOptions
 from pipelines.sources import require_columns
-from pipelines.summary import GOLD_KEY
+from pipelines.summary import STASHED_KEYS
 
 __all__ = ["kept_columns", "labeled_schema", "FAILED_SCHEMA", "ToOutputRow", "failed_output_row",
            "bigquery_schema", "bigquery_write_args", "write", "Destination", "destinations", "to_json"]
@@ -70,6 +70,7 @@ def kept_columns(options: PipelineOptions, schema: pa.Schema | None, reserved=No
 
 TOP_K_TYPE = pa.list_(pa.struct([pa.field("label", pa.string()), pa.field("score", pa.float64())]))
 _ADDED_TYPES = {"label": pa.string(), "score": pa.float64(), TOP_K_COLUMN: TOP_K_TYPE, "truncated": pa.bool_(),
+                "features": pa.list_(pa.float32()),
                 "task": pa.string(), "task_version": pa.string(), "prompt_fingerprint": pa.string(),
                 "model": pa.string()}
 
@@ -122,8 +123,8 @@ class ToOutputRow(beam.DoFn):
 def failed_output_row(record: dict) -> dict:
     """A failed record (`ClassifyText`'s or a read step's) -> the failed output's columns."""
     row = record.get("row")
-    if isinstance(row, dict) and GOLD_KEY in row:
-        record = {**record, "row": {k: v for k, v in row.items() if k != GOLD_KEY}}
+    if isinstance(row, dict) and any(k in row for k in STASHED_KEYS):
+        record = {**record, "row": {k: v for k, v in row.items() if k not in STASHED_KEYS}}
     return failed_values(record)
 
 

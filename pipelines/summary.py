@@ -20,7 +20,7 @@ from apache_beam.metrics.metric import MetricsFilter
 
 from beam_prefix.metrics import NAMESPACE as LIBRARY_NAMESPACE
 
-__all__ = ["NAMESPACE", "GOLD_KEY", "stash_gold", "count_rows", "LabelCounter", "RowCounter", "CountFailures", "summarize", "format_summary",
+__all__ = ["NAMESPACE", "GOLD_KEY", "FIT_KEY", "STASHED_KEYS", "stash_gold", "count_rows", "LabelCounter", "RowCounter", "CountFailures", "summarize", "format_summary",
            "write_confusion_png", "write_json"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -29,12 +29,30 @@ NAMESPACE = "beam_prefix_pipeline"
 # The gold label travels under this key: the input column may be called `label`, which the
 # classification overwrites.
 GOLD_KEY = "__gold_label__"
+# Whether the row's text was one of the trained head's training rows: such a row is left out
+# of the accuracy (never reported on rows that fit what is being measured).
+FIT_KEY = "__fit_the_head__"
+STASHED_KEYS = (GOLD_KEY, FIT_KEY)
 
 
-def stash_gold(rows, column: str):
-    """Copy each row's gold label to `GOLD_KEY` before classification."""
-    return rows | "StashGoldLabel" >> beam.Map(
-        lambda r: {**r, GOLD_KEY: r.get(column)} if isinstance(r, dict) else r)
+def stash_gold(rows, column: str, *, head=None, text_column: str = "text"):
+    """Copy each row's gold label to `GOLD_KEY` before classification; with a trained
+    `head`, mark (`FIT_KEY`) the rows whose text it was fit on."""
+    return rows | "StashGoldLabel" >> beam.Map(_Stash(column, head, text_column))
+
+
+class _Stash:
+    def __init__(self, column: str, head, text_column: str):
+        self._column, self._head, self._text = column, head, text_column
+
+    def __call__(self, row):
+        if not isinstance(row, dict):
+            return row
+        out = {**row, GOLD_KEY: row.get(self._column)}
+        if self._head is not None:
+            text = row.get(self._text)
+            out[FIT_KEY] = isinstance(text, str) and self._head.trained_on(text)
+        return out
 
 
 def count_rows(pcoll, name: str, *, label: str):
@@ -59,7 +77,9 @@ class LabelCounter:
     def __call__(self, row: dict) -> None:
         Metrics.counter(NAMESPACE, "labeled").inc()
         Metrics.counter(NAMESPACE, f"label:{row['label']}").inc()
-        if self._gold:
+        if self._gold and row.get(FIT_KEY):  # a row the head was fit on: not evidence of accuracy
+            Metrics.counter(NAMESPACE, "evaluated_fit_rows").inc()
+        elif self._gold:
             gold = row.get(GOLD_KEY)
             gold = "" if gold is None else str(gold)
             Metrics.counter(NAMESPACE, "evaluated").inc()
@@ -158,7 +178,8 @@ def _tasks(lib: dict[str, int]) -> dict:
 
 
 def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str, str],
-              model: str, task: str, eval_label_column: str | None, kind: str = "classify") -> dict:
+              model: str, task: str, eval_label_column: str | None, kind: str = "classify",
+              head: str | None = None) -> dict:
     """The summary dict of a finished run (counts, label counts, rates, outputs); `kind`
     ``"extract"`` counts extracted rows (``extracted``) and generated tokens instead of labels."""
     mine = _counters(result, NAMESPACE)
@@ -191,6 +212,8 @@ def summarize(result, *, wall_s: float, labels: Sequence[str], outputs: dict[str
             "accuracy": round(mine.get("correct", 0) / evaluated, 4) if evaluated else None,
             "confusion": [[g, p, n] for (g, p), n in sorted(pairs.items())],
         }
+        if head is not None:  # the rows the head was fit on are left out of the accuracy
+            summary["evaluation"].update(head=head, fit_rows_left_out=mine.get("evaluated_fit_rows", 0))
     if not summary["accounted_for"]:
         _LOGGER.error("rows read (%d) != %s (%d) + failed (%d)", read, done_key, labeled, failed)
     return summary
@@ -229,7 +252,12 @@ def format_summary(s: dict) -> str:
     ev = s.get("evaluation")
     if ev:
         acc = "n/a" if ev["accuracy"] is None else f"{ev['accuracy']:.1%}"
-        lines.append(f"accuracy against '{ev['gold_column']}': {acc} on {ev['rows']} labelled rows")
+        held = ""
+        if "head" in ev:
+            left = ev["fit_rows_left_out"]
+            held = (f" that did not fit the head ({left} rows that fit it left out)" if left else
+                    " (held-out: none of them fit the head)")
+        lines.append(f"accuracy against '{ev['gold_column']}': {acc} on {ev['rows']} labelled rows{held}")
     lines.append("outputs:")
     lines += [f"  {k}: {v}" for k, v in s["outputs"].items()]
     return "\n".join(lines)

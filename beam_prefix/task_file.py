@@ -1,0 +1,86 @@
+"""Reading a task file: YAML, safely and within bounds, whatever kind of task it holds.
+
+`read_task_file` reads at most `MAX_TASK_FILE_BYTES`, with a safe loader that refuses
+anchors and aliases (no "billion laughs") and duplicate keys (YAML lets the last one win
+silently), and refuses a document nested deeper than `MAX_TASK_DEPTH` (later checks, and
+their messages, recurse). Every problem is a `TaskSpecError` naming the file.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import yaml
+
+from beam_prefix.errors import TaskSpecError
+
+__all__ = ["read_task_file", "nesting_depth", "MAX_TASK_FILE_BYTES", "MAX_TASK_DEPTH"]
+
+MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
+MAX_TASK_DEPTH = 32  # a task file nests 4 levels (fields -> a field -> values -> a value); YAML allows thousands
+
+
+def read_task_file(path: str) -> Any:
+    """The parsed YAML document of a task file, of any kind (bounded, no aliases or duplicate keys)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TASK_FILE_BYTES + 1)
+    except OSError as e:
+        raise TaskSpecError(f"task file {path!r} cannot be read: {e}") from e
+    if len(raw) > MAX_TASK_FILE_BYTES:
+        raise TaskSpecError(f"task file {path!r} is larger than {MAX_TASK_FILE_BYTES:,} bytes")
+    try:
+        data = yaml.load(raw.decode("utf-8"), Loader=_TaskLoader)  # noqa: S506 - a SafeLoader
+    except UnicodeDecodeError as e:
+        raise TaskSpecError(f"task file {path!r} is not UTF-8: {e}") from None
+    except yaml.YAMLError as e:
+        raise TaskSpecError(f"task file {path!r} is not valid YAML: {_cut(str(e), 500)}") from None
+    except RecursionError:  # the YAML composer recurses once per level
+        raise TaskSpecError(f"task file {path!r} is nested too deeply (at most {MAX_TASK_DEPTH} levels)") from None
+    if nesting_depth(data, MAX_TASK_DEPTH) > MAX_TASK_DEPTH:  # later checks (and their messages) recurse too
+        raise TaskSpecError(f"task file {path!r} is nested too deeply (at most {MAX_TASK_DEPTH} levels)")
+    return data
+
+
+def nesting_depth(data: Any, limit: int) -> int:
+    """How deeply lists and mappings nest in `data`, counted up to ``limit + 1``
+    (iteratively: a value nested past Python's recursion limit is measured too)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, Mapping):
+            children = list(value.keys()) + list(value.values())
+        elif isinstance(value, (list, tuple)):
+            children = list(value)
+        else:
+            continue
+        deepest = max(deepest, level)
+        if level <= limit:  # past the limit the answer is known
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` without aliases (an alias bomb expands to gigabytes) and without
+    duplicate keys (YAML lets the last one win silently)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(
+                None, None, f"anchors and aliases (*{event.anchor}) are not allowed in task files", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"

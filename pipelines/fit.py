@@ -1,0 +1,291 @@
+"""Fit a trained head for a classification task from labelled rows.
+
+    python -m pipelines.fit --task pipelines/tasks/support_tickets.yaml \\
+        --input pipelines/data/sample_tickets.csv --label_column label --output support_tickets.head
+    python -m pipelines.fit --task banking77_head --input train.csv --label_column category \\
+        --output banking77.head --runner=DataflowRunner ...   # features on any runner
+
+The rows are read with the same flags and IO layer as the other pipelines; each row's
+features (`beam_prefix.embed_transform.EmbedText`: the hidden state(s) at its last prompt
+position, the same batched cached engine) are computed by a Beam pipeline and staged
+beside the output; then, in this process, a multinomial logistic regression is fit on
+them (scikit-learn's `LogisticRegressionCV`: the regularisation chosen by stratified
+k-fold cross-validation on standardised features) and written as a head file
+(`beam_prefix.trained_head`) with the fold accuracy and per-label F1. The label column is
+checked before any model work: labels the task lacks, task labels with no row, fewer than
+two classes. Exit statuses as the other pipelines: 0 done, 1 the run failed, 2 bad flags
+or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from beam_prefix.embed_transform import FEATURES_COLUMN, EmbedText
+from beam_prefix.task import TaskSpec
+from beam_prefix.task_file import read_task_file
+from beam_prefix.trained_head import TrainedHead, feature_fingerprint, text_hash
+from pipelines import bigquery_endpoint
+from pipelines.launch import explain
+from pipelines.options import StepOptions, task_path
+from pipelines.sources import input_format, read_rows, require_columns, input_schema
+
+__all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
+
+_LOGGER = logging.getLogger("pipelines.fit")
+_CS = (0.01, 0.1, 1.0, 10.0)  # the regularisation grid (inverse strength) k-fold chooses from
+
+
+class FitOptions(PipelineOptions):
+    """Flags of the fit pipeline beyond the shared ones (`StepOptions`; --output is the head file)."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        group = parser.add_argument_group("fitting a head")
+        group.add_argument("--label_column", default=None, help="pipelines.fit: the column holding each row's label.")
+        group.add_argument("--layers", default="-1",
+                           help="pipelines.fit: hidden-state indices read at each row's last position, comma-"
+                                "separated: -1 (default) the final normalised state; e.g. -1,20 adds layer 20.")
+        group.add_argument("--folds", type=int, default=5,
+                           help="pipelines.fit: folds of the stratified cross-validation that chooses the "
+                                "regularisation (fewer when a label has fewer rows).")
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--layers={text!r}: expected comma-separated integers, e.g. -1 or -1,20") from None
+    if not layers:
+        raise ValueError("--layers needs at least one index")
+    return layers
+
+
+def _task_without_head(path: str) -> TaskSpec:
+    """The task file's task as its features see it: a ``scoring: head`` task's head is what
+    this run writes, so it is not read (and need not exist yet)."""
+    data = read_task_file(path)
+    if isinstance(data, dict) and data.get("scoring") == "head":
+        data = {k: v for k, v in data.items() if k != "head"} | {"scoring": "auto"}
+    task = TaskSpec.from_dict(data, source=f"task file {path!r}")
+    return task if task.name != "task" else task.replace(name=os.path.splitext(os.path.basename(path))[0])
+
+
+def check_labels(task: TaskSpec, labels) -> collections.Counter:
+    """The rows per label, after refusing labels the task lacks and task labels with no row
+    (so fewer than two classes too: a task has two labels or more); each error says which."""
+    counts = collections.Counter("" if v is None else str(v) for v in labels)
+    unknown = sorted(set(counts) - set(task.label_names))
+    if unknown:
+        raise ValueError(f"--label_column holds labels the task {task.name!r} lacks: {unknown[:10]}"
+                         + (f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else "")
+                         + f"; its labels are {list(task.label_names)[:10]}...")
+    missing = [n for n in task.label_names if n not in counts]
+    if missing:
+        raise ValueError(f"task {task.name!r} labels with no training row: {missing[:10]}"
+                         + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else "")
+                         + "; a head can only answer labels it saw (add rows, or drop the labels from the task)")
+    return counts  # every task label has a row, and a task has two or more: two classes at least
+
+
+def _labels_at_launch(options: PipelineOptions, column: str):
+    """The label column of file inputs, read before any model work (None for BigQuery)."""
+    o = options.view_as(StepOptions)
+    if not o.input:
+        return None
+    fmt = input_format(options)
+    paths = sorted(glob.glob(o.input)) if "://" not in o.input else []
+    if not paths:
+        return None  # remote files: checked when the features are back
+    if fmt == "parquet":
+        return [v for p in paths for v in pq.read_table(p, columns=[column]).column(column).to_pylist()]
+    import csv
+    import json
+
+    values = []
+    for path in paths:
+        with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
+            if fmt == "csv":
+                values += [row.get(column) for row in csv.DictReader(f)]
+            else:
+                for line in f:
+                    if line.strip():
+                        try:
+                            values.append(json.loads(line).get(column))
+                        except (ValueError, AttributeError):
+                            continue  # fails as a row
+    return values
+
+
+def fit_head(features: np.ndarray, labels: list[str], hashes: list[int], task: TaskSpec, *, layers, fingerprint: str,
+             folds: int) -> TrainedHead:
+    """A multinomial logistic regression on standardised features; the regularisation by
+    stratified k-fold cross-validation (accuracy), with the fold accuracy and per-label F1
+    of the chosen one in the head's metrics."""
+    from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
+    from sklearn.metrics import f1_score
+    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+
+    mean = features.mean(0)
+    std = features.std(0)
+    std[std < 1e-6] = 1.0
+    x = (features - mean) / std
+    names = list(task.label_names)
+    y = np.array([names.index(label) for label in labels])
+    smallest = int(np.bincount(y, minlength=len(names)).min())
+    k = min(folds, smallest)
+    metrics: dict = {"train_rows": len(y), "rows_per_label_min": smallest}
+    start = time.perf_counter()
+    if k >= 2:
+        cv = StratifiedKFold(n_splits=k, shuffle=True, random_state=0)
+        search = LogisticRegressionCV(Cs=list(_CS), cv=cv, scoring="accuracy", max_iter=2000, l1_ratios=(0.0,),
+                                      use_legacy_attributes=False).fit(x, y)
+        c = float(np.atleast_1d(search.C_)[0])
+        predicted = cross_val_predict(LogisticRegression(C=c, max_iter=2000), x, y, cv=cv)
+        f1 = f1_score(y, predicted, average=None, labels=list(range(len(names))), zero_division=0)
+        metrics.update(folds=k, C=c, kfold_accuracy=round(float((predicted == y).mean()), 4),
+                       per_label_f1={n: round(float(v), 4) for n, v in zip(names, f1)})
+        model = LogisticRegression(C=c, max_iter=2000).fit(x, y)
+    else:  # a label with one row: nothing to cross-validate
+        model = LogisticRegression(C=1.0, max_iter=2000).fit(x, y)
+        metrics.update(folds=0, C=1.0, kfold_accuracy=None, note="a label has a single row: no cross-validation")
+    metrics["fit_s"] = round(time.perf_counter() - start, 2)
+    import torch
+
+    return TrainedHead(labels=names, layers=layers, weight=torch.from_numpy(model.coef_.astype(np.float32)),
+                       bias=torch.from_numpy(model.intercept_.astype(np.float32)),
+                       mean=torch.from_numpy(mean.astype(np.float32)), std=torch.from_numpy(std.astype(np.float32)),
+                       fingerprint=fingerprint, train_hashes=hashes, metrics=metrics)
+
+
+class _Shape(beam.DoFn):
+    """An embedded row -> (label, text hash, features) for the staged features file."""
+
+    def __init__(self, text_column: str, label_column: str):
+        self._text, self._label = text_column, label_column
+
+    def process(self, row):
+        yield {"label": "" if row.get(self._label) is None else str(row[self._label]),
+               "hash": text_hash(str(row.get(self._text) or "")), "prompt": row["prompt_fingerprint"],
+               FEATURES_COLUMN: row[FEATURES_COLUMN]}
+
+
+def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = None) -> dict:
+    """Compute the features (a Beam pipeline), fit the head, write it; returns a summary."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    options = PipelineOptions(argv)
+    o, f = options.view_as(StepOptions), options.view_as(FitOptions)
+    if not o.output or not f.label_column:
+        raise ValueError("pipelines.fit needs --output (the head file to write) and --label_column")
+    if o.output.endswith("/") or os.path.isdir(o.output):
+        raise ValueError(f"--output={o.output!r} is a directory; give the head file's path, e.g. support.head")
+    if f.folds < 2:
+        raise ValueError(f"--folds must be >= 2, got {f.folds}")
+    layers = _layers(f.layers)
+    task = _task_without_head(task_path(o.task or "support_tickets"))
+    if o.bigquery_endpoint:
+        bigquery_endpoint.install(bigquery_endpoint.Endpoint(rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
+                                                             project=None))
+    schema = input_schema(options)
+    require_columns(options, schema, {"--text_column": [o.text_column], "--label_column": [f.label_column]})
+    launch_labels = _labels_at_launch(options, f.label_column)
+    if launch_labels is not None:
+        check_labels(task, launch_labels)  # before any model work
+    embed = EmbedText(task=task, layers=layers, model=o.model, text_column=o.text_column, id_column=o.id_column,
+                      dtype=o.dtype, threads=o.torch_threads, batch_size=o.batch_size or 16,
+                      min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size, verify=o.verify == "true",
+                      keep_columns=[o.text_column, f.label_column], device=o.device)
+    embed.config.check_fits()
+    staging = tempfile.mkdtemp(prefix=".beam-prefix-fit-", dir=os.path.dirname(os.path.abspath(o.output)) or ".")
+    try:
+        p = test_pipeline or beam.Pipeline(options=options)
+        rows, unparseable = read_rows(p, options)
+        result = rows | "EmbedText" >> embed
+        _ = (result.embedded | "Shape" >> beam.ParDo(_Shape(o.text_column, f.label_column))
+             | "WriteFeatures" >> beam.io.WriteToParquet(
+                 os.path.join(staging, "features"), pa.schema([("label", pa.string()), ("hash", pa.int64()),
+                                                               ("prompt", pa.string()),
+                                                               (FEATURES_COLUMN, pa.list_(pa.float32()))]),
+                 file_name_suffix=".parquet"))
+        failed = ((unparseable, result.failed) | "AllFailed" >> beam.Flatten()
+                  | "Count" >> beam.combiners.Count.Globally())
+        _ = failed | "WriteFailedCount" >> beam.io.WriteToText(os.path.join(staging, "failed"))
+        start = time.perf_counter()
+        p.run().wait_until_finish()
+        features_s = time.perf_counter() - start
+        table = pa.concat_tables([pq.read_table(path) for path in sorted(glob.glob(os.path.join(staging, "features*")))])
+        n_failed = sum(int(open(path).read().strip() or 0) for path in glob.glob(os.path.join(staging, "failed*")))
+        labels = table.column("label").to_pylist()
+        check_labels(task, labels)  # again: what the run actually read (BigQuery, remote files, failed rows)
+        features = np.asarray(table.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32)
+        prompts = set(table.column("prompt").to_pylist())
+        if len(prompts) != 1:
+            raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
+        fingerprint = feature_fingerprint(prompts.pop(), o.dtype, layers)
+        head = fit_head(features, labels, table.column("hash").to_pylist(), task, layers=layers,
+                        fingerprint=fingerprint, folds=f.folds)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    tmp = o.output + ".tmp"
+    head.save(tmp)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, o.output)  # all or nothing
+    summary = {"head": o.output, "task": task.name, "rows_used": len(labels), "rows_failed": n_failed,
+               "features": int(features.shape[1]), "layers": list(layers), "features_s": round(features_s, 2),
+               **{k: v for k, v in head.metrics.items() if k != "per_label_f1"},
+               "worst_label_f1": sorted(head.metrics.get("per_label_f1", {}).items(), key=lambda kv: kv[1])[:5]}
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run from the command line: 0 done, 1 the run failed, 2 bad flags or input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        parser = argparse.ArgumentParser(prog="python -m pipelines.fit", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        StepOptions._add_argparse_args(parser)
+        FitOptions._add_argparse_args(parser)
+        parser.print_help()
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("beam_prefix", "pipelines"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        summary = run(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:  # noqa: BLE001 - one line, the detail in the log
+        _LOGGER.error("the run's error:\n%s", e)
+        print(explain(e), file=sys.stderr, flush=True)
+        return 1
+    print(_format(summary), flush=True)
+    return 0
+
+
+def _format(s: dict) -> str:
+    acc = "n/a" if s.get("kfold_accuracy") is None else f"{s['kfold_accuracy']:.1%}"
+    lines = [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']})",
+             f"rows: {s['rows_used']} used, {s['rows_failed']} failed",
+             f"features: {s['features_s']:.1f} s; fit: {s['fit_s']:.1f} s",
+             f"{s.get('folds', 0)}-fold accuracy {acc} at C={s.get('C')}",
+             "lowest per-label F1: " + ", ".join(f"{n} {v:.2f}" for n, v in s["worst_label_f1"])]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Trained heads: the features they read equal full re-encoding's, head scoring equals its
+no-cache reference, the head file, the errors that protect it, `EmbedText`, and
+`pipelines.fit` through its command line (tiny random models; the embedded model for the
+features' exactness)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from beam_prefix import PrefixClassifier, TaskSpecError
+from beam_prefix.embed_transform import EmbedText
+from beam_prefix.trained_head import TrainedHead, feature_fingerprint, text_hash
+from pipelines import classify, fit
+
+from conftest import ARCHS, SUPPORT_TASK, TEXTS, assert_same_predictions, tiny_task
+
+LABELS = ("billing", "technical", "account")
+# the support task's sample: 60 labelled tickets, 20 per label (the training rows here)
+SAMPLE = os.path.join(os.path.dirname(__file__), "..", "pipelines", "data", "sample_tickets.csv")
+
+
+def _features_task():
+    return tiny_task()  # calibration off, scored the plain way: what features are read after
+
+
+def _head_for(clf: PrefixClassifier, layers=(-1,), seed=0) -> TrainedHead:
+    """A head over `clf`'s features (random weights: exactness does not need a good head)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = len(clf.embed(["x"], layers=layers)[0].features)
+    return TrainedHead(labels=clf.task.label_names, layers=layers, weight=torch.randn(3, width, generator=gen),
+                       bias=torch.randn(3, generator=gen), mean=torch.randn(width, generator=gen) * 0.1,
+                       std=torch.rand(width, generator=gen) + 0.5,
+                       fingerprint=feature_fingerprint(clf.features_fingerprint, torch.float32, layers),
+                       train_hashes=[text_hash(TEXTS[0])])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("engine", ["shared", "expanded"])
+def test_cached_features_equal_full_reencoding(tiny_models, arch, engine):
+    clf = PrefixClassifier(task=_features_task(), loaded=tiny_models[arch], verify=False, batch_size=7,
+                           prefix_attention=engine)
+    layers = (-1, 1)
+    cached, full = clf.embed(TEXTS, layers=layers), clf.embed_full(TEXTS, layers=layers)
+    diff = max(abs(a - b) for c, f in zip(cached, full) for a, b in zip(c.features, f.features))
+    assert diff < 1e-4, f"max feature difference {diff:.2e}"
+    spread = np.ptp(np.array([c.features for c in cached]), axis=0).max()
+    assert spread > 100 * max(diff, 1e-7)  # the features depend on the text
+    assert clf.cache_length() == clf.prefix_length
+
+
+def test_cached_features_equal_full_reencoding_on_the_embedded_model(embedded):
+    clf = PrefixClassifier(task=_features_task(), loaded=embedded, verify=False, batch_size=5)
+    cached, full = clf.embed(TEXTS[:9], layers=(-1, 20)), clf.embed_full(TEXTS[:9], layers=(-1, 20))
+    diff = max(abs(a - b) for c, f in zip(cached, full) for a, b in zip(c.features, f.features))
+    assert diff < 1e-3, f"max feature difference {diff:.2e}"  # 576 x 2 values per row, fp32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_sliding", "gpt2"])
+def test_head_scoring_equals_its_reference_and_self_checks(tiny_models, arch):
+    loaded = tiny_models[arch]
+    base = PrefixClassifier(task=_features_task(), loaded=loaded, verify=False)
+    head = _head_for(base, layers=(-1, 2))
+    clf = PrefixClassifier(task=base.task.replace(scoring="head", head=head), loaded=loaded, verify=True, batch_size=5)
+    assert clf.mode == "head" and clf.label_tokens == 0
+    cached = clf.classify_encoded([clf.encode(t) for t in TEXTS], features=True)
+    assert_same_predictions(cached, clf.classify_full(TEXTS))
+    assert all(p.label_tokens == 0 for p in cached)
+    # a head is part of what shapes the outputs: the fingerprint differs from the plain task's
+    assert clf.fingerprint != base.fingerprint and clf.features_fingerprint == base.fingerprint
+    # the features a prediction carries are the row's features, from the same pass
+    embedded = clf.embed(TEXTS, layers=(-1, 2))
+    assert all(np.allclose(p.features, e.features, atol=1e-5) for p, e in zip(cached, embedded))
+
+
+def test_head_file_round_trip_and_the_errors_that_protect_it(tiny_models, tmp_path):
+    loaded = tiny_models["llama"]
+    base = PrefixClassifier(task=_features_task(), loaded=loaded, verify=False)
+    head = _head_for(base)
+    path = tmp_path / "t.head"
+    head.save(path)
+    again = TrainedHead.load(path)
+    assert again.identity == head.identity and again.labels == LABELS and again.trained_on(TEXTS[0])
+    assert not again.trained_on(TEXTS[1])
+    task = base.task.replace(scoring="head", head=str(path))
+    assert isinstance(task.head, TrainedHead)
+    with pytest.raises(TaskSpecError, match="calibration does not apply"):
+        base.task.replace(scoring="head", head=head, calibration=True)
+    with pytest.raises(TaskSpecError, match="scoring: head needs a head"):
+        base.task.replace(scoring="head")
+    with pytest.raises(TaskSpecError, match="used with scoring: head"):
+        base.task.replace(head=head)
+    with pytest.raises(TaskSpecError, match="was fit for labels"):
+        tiny_task(("spam", "ham", "other")).replace(scoring="head", head=head)
+    with pytest.raises(TaskSpecError, match="does not exist"):
+        base.task.replace(scoring="head", head=str(tmp_path / "missing.head"))
+    (tmp_path / "bad.head").write_bytes(b"not a head")
+    with pytest.raises(TaskSpecError, match="is not a beam-prefix head"):
+        base.task.replace(scoring="head", head=str(tmp_path / "bad.head"))
+    # fit on one model, used on another: refused, naming both fingerprints
+    with pytest.raises(TaskSpecError, match=f"was fit on features {head.fingerprint}.*tiny-qwen2_sliding"):
+        PrefixClassifier(task=task, loaded=tiny_models["qwen2_sliding"], verify=False)
+
+
+def test_a_task_file_reads_its_head_relative_to_itself(tiny_models, tmp_path):
+    base = PrefixClassifier(task=_features_task(), loaded=tiny_models["llama"], verify=False)
+    _head_for(base).save(tmp_path / "support.head")
+    text = open(SUPPORT_TASK, encoding="utf-8").read().replace("calibration: true", "calibration: false")
+    (tmp_path / "task.yaml").write_text(text.replace("scoring: auto", "scoring: head\nhead: support.head"))
+    from beam_prefix import TaskSpec
+
+    task = TaskSpec.from_yaml(tmp_path / "task.yaml")
+    assert task.head.source == str(tmp_path / "support.head")
+
+
+def test_embed_text_step_on_dict_and_schemad_rows(tiny_dir):
+    from beam_prefix.model import load_model
+
+    clf = PrefixClassifier(task=_features_task(), loaded=load_model(tiny_dir), verify=False)
+    reference = {t: e.features for t, e in zip(TEXTS[:5], clf.embed_full(TEXTS[:5], layers=(-1, 2)))}
+
+    def close(row):
+        row = row if isinstance(row, dict) else row.as_dict()
+        return row["id"], bool(np.allclose(row["features"], reference[row["text"]], atol=1e-4))
+
+    with TestPipeline() as p:
+        dicts = p | "Dicts" >> beam.Create([{"id": i, "text": t} for i, t in enumerate(TEXTS[:5])] + [{"id": 9}])
+        rows = p | "Rows" >> beam.Create([beam.Row(id=i, text=t) for i, t in enumerate(TEXTS[:5])])
+        for name, pcoll in (("D", dicts), ("R", rows)):
+            out = pcoll | f"Embed{name}" >> EmbedText(task=_features_task(), model=tiny_dir, layers=(-1, 2),
+                                                      id_column="id", verify=False)
+            assert_that(out.embedded | f"Close{name}" >> beam.Map(close), equal_to([(i, True) for i in range(5)]),
+                        label=f"Embedded{name}")
+        assert_that(out.failed, equal_to([]), label="NoneFailedR")
+
+
+def _no_model(monkeypatch):
+    monkeypatch.setattr("beam_prefix.worker.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([("T1", "app crashes", "billing"), ("T2", "refund", "shipping")], "labels the task 'support_tickets' lacks"),
+    ([("T1", "app crashes", "billing"), ("T2", "refund", "technical")], "labels with no training row: ['account']"),
+    ([("T1", "app crashes", "billing")], "labels with no training row"),  # one class
+])
+def test_fit_refuses_bad_labels_before_any_model_work(tmp_path, monkeypatch, capsys, rows, message):
+    _no_model(monkeypatch)
+    csv = tmp_path / "in.csv"
+    csv.write_text("id,text,label\n" + "".join(f"{a},{b},{c}\n" for a, b, c in rows))
+    assert fit.main(["--runner=DirectRunner", f"--input={csv}", "--label_column=label",
+                     f"--output={tmp_path}/t.head"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "\n" not in err.strip()
+    assert not os.path.exists(tmp_path / "t.head")
+
+
+def test_fit_then_classify_through_the_command_line(tiny_dir, tmp_path, capsys):
+    """The README's two commands on the tiny model: fit on the sample tickets, classify with
+    the head; rows the head was fit on are left out of the reported accuracy."""
+    head = tmp_path / "support.head"
+    assert fit.main(["--runner=DirectRunner", "--task=support_tickets", f"--input={SAMPLE}", "--label_column=label",
+                     f"--output={head}", f"--model={tiny_dir}", "--verify=false", "--layers=-1,2", "--folds=3"]) == 0
+    out = capsys.readouterr().out
+    assert f"head written: {head}" in out and "rows: 60 used, 0 failed" in out and "3-fold accuracy" in out
+    trained = TrainedHead.load(head)
+    assert trained.layers == (-1, 2) and trained.metrics["train_rows"] == 60 and len(trained.train_hashes) == 60
+    assert set(trained.metrics["per_label_f1"]) == set(LABELS) and trained.metrics["C"] in fit._CS
+
+    text = open(SUPPORT_TASK, encoding="utf-8").read().replace("calibration: true", "calibration: false")
+    (tmp_path / "task.yaml").write_text(text.replace("scoring: auto", "scoring: head\nhead: support.head"))
+    mixed = tmp_path / "mixed.csv"  # 5 rows the head was fit on, 4 it never saw
+    import csv as csv_module
+
+    with open(SAMPLE, encoding="utf-8") as f:
+        sample = list(csv_module.DictReader(f))[:5]
+    unseen = [{"ticket_id": f"U{i}", "text": t, "label": "technical"} for i, t in enumerate(TEXTS[10:14])]
+    with open(mixed, "w", newline="", encoding="utf-8") as f:
+        writer = csv_module.DictWriter(f, fieldnames=["ticket_id", "text", "label"])
+        writer.writeheader()
+        writer.writerows([{k: r[k] for k in ("ticket_id", "text", "label")} for r in sample] + unseen)
+    summary = classify.run(["--runner=DirectRunner", f"--task={tmp_path}/task.yaml", f"--input={mixed}",
+                            f"--model={tiny_dir}", "--eval_label_column=label", f"--output={tmp_path}/out/",
+                            "--verify=false", "--output_features=true"])
+    ev = summary["evaluation"]
+    assert (ev["rows"], ev["fit_rows_left_out"], summary["labeled"]) == (4, 5, 9)
+    assert "that did not fit the head (5 rows that fit it left out)" in capsys.readouterr().out
+    table = pq.read_table(next(p for p in (tmp_path / "out").iterdir() if p.name.startswith("labeled-0")))
+    assert table.schema.field("features").type == pa.list_(pa.float32())
+    assert all(len(v) == trained.features for v in table.column("features").to_pylist())
+    assert json.load(open(tmp_path / "out" / "labeled-summary.json"))["evaluation"]["rows"] == 4
