@@ -197,3 +197,16 @@ def test_fit_then_classify_through_the_command_line(tiny_dir, tmp_path, capsys):
     assert table.schema.field("features").type == pa.list_(pa.float32())
     assert all(len(v) == trained.features for v in table.column("features").to_pylist())
     assert json.load(open(tmp_path / "out" / "labeled-summary.json"))["evaluation"]["rows"] == 4
+
+
+@pytest.mark.parametrize("task", ["support_tickets_head", "banking77_head"])
+def test_the_shipped_heads_fit_the_shipped_prompts_and_model(embedded, task):
+    """A shipped head is used with the prompt and model it was fit on: a changed task file
+    or model would refuse it here, not in a user's run. The self-check compares its
+    probabilities cached vs full."""
+    from beam_prefix import TaskSpec
+
+    spec = TaskSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "pipelines", "tasks", f"{task}.yaml"))
+    clf = PrefixClassifier(task=spec, loaded=embedded, verify=True, batch_size=8)
+    assert clf.mode == "head" and spec.head.metrics["kfold_accuracy"] >= 0.8
+    assert 0 < len(spec.head.train_hashes) <= spec.head.metrics["train_rows"]  # (duplicate texts hash once)
