@@ -10,21 +10,23 @@ extraction, the tokens it generates).
     clf.classify(["I was charged twice"])[0].label
     Extractor.load("pipelines/tasks/ticket_fields.yaml").extract(["Refund order A-17"])[0].values
 
-The Beam steps are `beam_prefix.transforms.ClassifyText` and
-`beam_prefix.extract_transform.ExtractFields`.
+The Beam steps are `beam_prefix.transforms.ClassifyText`,
+`beam_prefix.extract_transform.ExtractFields` and `beam_prefix.embed_transform.EmbedText`;
+a task with ``scoring: head`` answers with a head fit by ``python -m pipelines.fit``.
 """
 
-from beam_prefix.classifier import Prediction, PrefixClassifier
+from beam_prefix.classifier import Embedding, Prediction, PrefixClassifier
 from beam_prefix.errors import (BeamPrefixError, BoundaryError, ModelLoadError, RowError,
                                 TaskSpecError, TextTooLongError, VerificationError)
 from beam_prefix.extract_task import ExtractExample, ExtractionSpec, Field, load_task
 from beam_prefix.extractor import Extraction, Extractor
 from beam_prefix.task import Example, Label, TaskSpec
+from beam_prefix.trained_head import TrainedHead
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "TaskSpec", "Label", "Example", "PrefixClassifier", "Prediction",
+    "TaskSpec", "Label", "Example", "PrefixClassifier", "Prediction", "Embedding", "TrainedHead",
     "ExtractionSpec", "Field", "ExtractExample", "Extractor", "Extraction", "load_task",
     "BeamPrefixError", "TaskSpecError", "BoundaryError", "ModelLoadError", "RowError",
     "TextTooLongError", "VerificationError",

@@ -162,9 +162,14 @@ class PrefixClassifier(PrefixEngine):
         self._calibration: torch.Tensor | None = None
         if self.task.calibration:
             self._calibration = self._calibration_vector(self.task.calibration)
-        _LOGGER.info("prefix cache: %s; %s scoring (%s label search); %s prefix attention; built in %.2f s",
-                     self.layout.describe(), self.mode, self.label_search, self.prefix_attention,
-                     self._prompt.build_s)
+        _LOGGER.info("prefix cache: %s; %s; %s prefix attention; built in %.2f s",
+                     self.layout.describe(), self._scoring_words(), self.prefix_attention, self._prompt.build_s)
+
+    def _scoring_words(self) -> str:
+        """How labels are scored, for the log (a head searches no label tokens)."""
+        if self.mode == "head":
+            return "trained head scoring"
+        return f"{self.mode} scoring ({self.label_search} label search)"
 
     @property
     def label_tokens(self) -> int:
@@ -245,8 +250,8 @@ class PrefixClassifier(PrefixEngine):
                     f"cached scoring disagrees with {name} on {len(bad)} of {len(texts)} "
                     f"texts (max probability difference {diff:.2e}, tolerance {self.atol:.0e}): "
                     f"{[t[:60] for t in bad]}", bad)
-        _LOGGER.info("verify: cached (%s label search) == %s on %d texts (max diff %.1e); cached %.1f ms/row, "
-                     "full re-encoding %.1f ms/row", self.label_search, " and ".join(name for name, _ in references),
+        _LOGGER.info("verify: cached (%s) == %s on %d texts (max diff %.1e); cached %.1f ms/row, "
+                     "full re-encoding %.1f ms/row", self._scoring_words(), " and ".join(name for name, _ in references),
                      len(texts), worst, self.last_check["cached_ms_per_row"], self.last_check["full_ms_per_row"])
         return worst
 
