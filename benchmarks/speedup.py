@@ -30,6 +30,7 @@ import time
 import torch
 
 from beam_prefix import PrefixClassifier, TaskSpec
+from beam_prefix.cpu_linear import unpack_linears
 from beam_prefix.dofn import ClassifyConfig
 from beam_prefix.worker import _MODEL_HANDLE, ModelHolder
 from beam_prefix.model import LoadedModel, load_model
@@ -303,6 +304,7 @@ def _modes(loaded, workloads, reference: dict, c_ms: dict, args) -> list[dict]:
     for mode in args.modes:
         if mode == "int8":
             model = copy.deepcopy(loaded.model)
+            unpack_linears(model)  # dynamic quantization swaps layers of exactly nn.Linear's type
             head = model.get_output_embeddings()  # label rows are read from its weight: keep it float
             linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
             model = torch.ao.quantization.quantize_dynamic(model, linears, dtype=torch.qint8)
