@@ -59,6 +59,32 @@ def test_matches_sdpa_over_the_concatenation(heads, kv, prefix_columns, chunk, f
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (3, 1)])
+def test_one_row_runs_plain_sdpa_and_equals_the_two_part_softmax(heads, kv, monkeypatch):
+    gen = torch.Generator().manual_seed(heads + kv)
+    q, p, d = 7, 11, 8
+    query = torch.randn(1, heads, q, d, generator=gen) * 3
+    key, value = torch.randn(2, 1, kv, q, d, generator=gen)
+    pk, pv = torch.randn(2, 1, kv, p, d, generator=gen)
+    mask = torch.tril(torch.ones(q, q, dtype=torch.bool))[None, None]
+    packing = attention.Packing.of([torch.arange(q)], q)
+    two_part = attention._attend_packed(query, key, value, mask, pk, pv, 0.3, packing, None)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("one row must not take the two-part path")
+
+    monkeypatch.setattr(attention, "_attend_packed", refuse)
+    got = shared_prefix_attention(query, key, value, mask, pk, pv, 0.3, packing=packing)
+    want = _reference(query, key, value, mask, pk, pv, 0.3)
+    assert got.shape == two_part.shape == (1, q, heads, d)
+    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(got, two_part, atol=1e-5)
+    # a window hiding prefix columns, or earlier tokens of the call: the two-part path
+    seen = torch.ones(1, 1, q, p, dtype=torch.bool)
+    seen[:, :, 3:, :4] = False
+    with pytest.raises(AssertionError, match="two-part"):
+        shared_prefix_attention(query, key, value, torch.cat([seen, mask], -1), pk, pv, 0.3, packing=packing)
+
+
 @pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("prefix_columns", [False, True])
 @pytest.mark.parametrize("chunk", [None, 1])
