@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BQ_STAMP := $(BQ_VENV)/.installed
 
-.PHONY: install test test-slow demo bench clean
+.PHONY: install test test-slow demo bench bench-peers clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.speedup
+
+# our engine against llama.cpp on the same model and token ids; the `llama` extra compiles
+# llama.cpp from source (several minutes, once), with the CPU features of this machine
+bench-peers: $(STAMP)
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -e '.[test,llama]'
+	$(PY) -m benchmarks.peers
 
 clean:
 	rm -rf $(VENV) $(BQ_VENV) output build *.egg-info

@@ -44,5 +44,7 @@ setup(
         "dataframe": [f"apache-beam[dataframe]=={BEAM_VERSION}"],
         "test": ["pytest>=9,<10", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
         "dev": ["pytest>=9,<10", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
+        # llama.cpp as a benchmark contender (benchmarks.peers) only; builds from source (minutes)
+        "llama": ["llama-cpp-python==0.3.36"],
     },
 )

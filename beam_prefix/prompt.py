@@ -177,6 +177,11 @@ class PromptLayout:
         """The reference encoding of the whole prompt for `text` (no prefix split)."""
         return self._head_ids + self._encode_plain(self._span(text)) + self._after_ids
 
+    def prompt_text(self, text: str) -> str:
+        """The whole prompt for `text` as one string, control tokens as their text (for
+        another tokenizer to encode with control strings parsed, as benchmarks do)."""
+        return self._head_static + self._span(text) + self._after
+
     def _suffix_ids(self, text: str) -> tuple[int, ...] | None:
         """The row's suffix: its span's natural ids after the prefix's lead-in tokens, or
         None when the span's encoding does not start with them (a boundary merge)."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import speedup
 
 
+@pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow
 def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     report = speedup.run([
         f"--model={tiny_dir}", "--support_rows=6", "--banking77_rows=2", "--batch_sizes=1,4",
@@ -45,6 +48,7 @@ def test_speedup_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     assert report["rss"]["rss_mb_1_thread"] > 0 and report["modes"][0]["mode"] == "int8"
 
 
+@pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow
 def test_routing_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     from benchmarks import routing
 
@@ -61,6 +65,7 @@ def test_routing_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     assert report["routed_over_per_task"] == contenders["routed"]["rows_per_s"] / contenders["per_task"]["rows_per_s"]
 
 
+@pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow
 def test_extraction_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     from benchmarks import extraction
 
@@ -71,3 +76,38 @@ def test_extraction_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     assert "model: decode steps" in report["c_time_split_s"]
     assert report["accuracy"]["rows"] == 40 and set(report["accuracy"]["fields"]) == {
         "product_area", "order_id", "amount", "urgency", "refund_requested"}
+
+
+@pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow
+def test_peers_benchmark_runs_ours_and_says_why_llama_cpp_is_skipped(tiny_dir, tmp_path):
+    from benchmarks import peers
+
+    report = peers.run([f"--model={tiny_dir}", "--rows=8", "--batch=4", "--rounds=2", "--profile",
+                        "--profile_rows=4", f"--out_dir={tmp_path}"])
+    assert "no GGUF" in report["skipped"] or "not installed" in report["skipped"]
+    names = ["C batch 4", "C batch 4, weights not prepacked", "C batch 1", "C batch 1, weights not prepacked"]
+    assert list(report["contenders"]) == names
+    for name, c in report["contenders"].items():
+        assert len(c["rounds"]) == 2 and c["ms_per_row"] == min(c["rounds"])
+        assert c["agreement_with_c"] == 1.0, name  # prepacked or not, any batch: the same labels
+    assert report["contenders"]["C batch 1, weights not prepacked"]["c_speed_vs"] == (
+        min(report["contenders"]["C batch 1, weights not prepacked"]["rounds"])
+        / min(report["contenders"]["C batch 1"]["rounds"]))
+    assert [(p["batch"], p["prepacked"]) for p in report["profile"]] == [(4, False), (4, True), (1, False), (1, True)]
+    assert all(p["ops"] and p["ops"][0]["self_ms_per_row"] > 0 for p in report["profile"])
+    md = (tmp_path / "peers.md").read_text()
+    assert report["skipped"] in md and "| C batch 4 |" in md
+    assert json.loads((tmp_path / "peers.json").read_text())["rows"] == 8
+
+
+@pytest.mark.slow  # builds on llama-cpp-python (make bench-peers installs it) and the embedded model
+def test_llama_cpp_reads_our_token_ids_and_agrees_on_the_same_weights(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from benchmarks import peers
+
+    report = peers.run(["--rows=8", "--batch=4", "--rounds=1", "--kinds=F32", "--one_row=F32",
+                        f"--out_dir={tmp_path}"])
+    assert report["skipped"] is None and report["token_mismatches"] == {"F32": 0}
+    llama = {n: c for n, c in report["contenders"].items() if n.startswith("L F32")}
+    assert len(llama) == 3  # batched with flash attention on and off, and one row
+    assert all(c["agreement_with_c"] == 1.0 for c in llama.values()), llama

@@ -221,3 +221,14 @@ def test_cached_equals_full_with_a_non_special_added_token(newline_token_tokeniz
     cached = clf.classify(texts)
     assert_same_predictions(cached, clf.classify_full(texts))
     assert score_spread(cached) > 1e-3
+
+
+@pytest.mark.parametrize("template", ["chat", "plain"])
+def test_prompt_text_encodes_to_the_reference_ids(chat_tokenizer, plain_tokenizer, template):
+    # what another tokenizer (llama.cpp's, in benchmarks.peers) is given for the whole prompt
+    tok = chat_tokenizer if template == "chat" else plain_tokenizer
+    layout = PromptLayout.build(tiny_task(), tok)
+    for text in TEXTS[:5]:
+        ids = tok(layout.prompt_text(text), add_special_tokens=False).input_ids
+        bos = list(layout._bos_ids)  # a plain prompt's BOS (not text), if the tokenizer has one
+        assert bos + ids == list(layout.natural_ids(text)) == list(layout.prefix_ids) + list(layout.encode(text).suffix_ids)
