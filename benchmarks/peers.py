@@ -88,6 +88,8 @@ def _machine() -> str:
 def _gguf(model: str, given: str | None) -> str | None:
     if given:
         return given
+    if model.endswith(".gguf"):
+        return model
     if model == "embedded":
         from beam_prefix.model import embedded_gguf_path
 
