@@ -19,7 +19,6 @@ Writes `heads.json` and `heads.md` under `--out_dir`.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -33,15 +32,11 @@ from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.embed_transform import features_task
 from beam_prefix.model import load_model
 from beam_prefix.trained_head import feature_fingerprint, text_hash
+from benchmarks.data import csv_rows
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DATA = os.path.join(_ROOT, "pipelines", "data")
 _TASKS = os.path.join(_ROOT, "pipelines", "tasks")
-
-
-def _rows(path: str, text: str = "text", label: str = "label") -> list[tuple[str, str]]:
-    with open(path, encoding="utf-8") as f:
-        return [(r[text], r[label]) for r in csv.DictReader(f)]
 
 
 def _accuracy(clf: PrefixClassifier, rows) -> float:
@@ -80,10 +75,10 @@ def run(argv=None) -> dict:
     loaded = load_model(args.model)
     report = {"model": loaded.model_id, "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
               "torch_threads": torch.get_num_threads()}
-    support_train, support_test = _rows(os.path.join(_DATA, "sample_tickets.csv")), \
-        _rows(os.path.join(_DATA, "heldout_tickets.csv"))
-    bank_train = _rows(os.path.join(_DATA, "banking77", "train.csv"), label="category")
-    bank_test = _rows(os.path.join(_DATA, "banking77", "test.csv"), label="category")
+    support_train, support_test = csv_rows(os.path.join(_DATA, "sample_tickets.csv")), \
+        csv_rows(os.path.join(_DATA, "heldout_tickets.csv"))
+    bank_train = csv_rows(os.path.join(_DATA, "banking77", "train.csv"), label="category")
+    bank_test = csv_rows(os.path.join(_DATA, "banking77", "test.csv"), label="category")
     support = TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets.yaml"))
     support_head = TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets_head.yaml"))
     bank_lm = TaskSpec.from_yaml(os.path.join(_TASKS, "banking77.yaml"))
@@ -106,7 +101,7 @@ def run(argv=None) -> dict:
         few_clf = PrefixClassifier(task=bank_head.replace(head=head10), loaded=loaded, batch_size=64, verify=False)
         acc["banking77 head (fit on 10 rows per intent, 770 rows), 3,080 test"] = _accuracy(few_clf, bank_test)
         lm = PrefixClassifier(task=bank_lm, loaded=loaded, batch_size=16, verify=False)
-        sample = _rows(os.path.join(_DATA, "banking77", "test_sample.csv"), label="category")  # random test rows
+        sample = csv_rows(os.path.join(_DATA, "banking77", "test_sample.csv"), label="category")  # random test rows
         acc[f"banking77 LM scoring (shipped task, pruned), {args.banking77_lm_rows} random test rows"] = _accuracy(
             lm, sample[:args.banking77_lm_rows])
         report["accuracy"] = acc

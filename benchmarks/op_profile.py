@@ -51,10 +51,9 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    import csv
-
     from beam_prefix import TaskSpec
     from beam_prefix.model import load_model
+    from benchmarks.data import sample_tickets
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded")
@@ -64,9 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
-    with open(os.path.join(_ROOT, "pipelines", "data", "sample_tickets.csv"), newline="", encoding="utf-8") as f:
-        tickets = [r["text"] for r in csv.DictReader(f)]
-    texts = [tickets[i % len(tickets)] for i in range(args.rows)]
+    texts = sample_tickets(args.rows)
     loaded = load_model(args.model, threads=args.threads)
     print(markdown(profile_classify(loaded, TaskSpec.from_yaml(args.task), texts, args.batch, top=args.top)))
 

@@ -25,7 +25,6 @@ Writes `peers.json` and `peers.md` under `--out_dir`.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -54,18 +53,9 @@ class Worker:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.ask_quit()
-
-    def ask_quit(self) -> None:
-        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-        self.proc.stdin.flush()
-        self.proc.wait(timeout=60)
-
-
-def _texts(rows: int) -> list[str]:
-    with open(os.path.join(_ROOT, "pipelines", "data", "sample_tickets.csv"), newline="", encoding="utf-8") as f:
-        tickets = [r["text"] for r in csv.DictReader(f)]
-    return [tickets[i % len(tickets)] for i in range(rows)]
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
 
 
 def _agreement(a: list[str], b: list[str]) -> float:
@@ -100,6 +90,7 @@ def _gguf(model: str, given: str | None) -> str | None:
 def run(argv=None) -> dict:
     from beam_prefix.model import cache_root
     from benchmarks import llama_cpp_peer
+    from benchmarks.data import sample_tickets
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
@@ -120,12 +111,12 @@ def run(argv=None) -> dict:
     if unknown:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)} (known: {', '.join(llama_cpp_peer.KINDS)})")
 
-    texts = _texts(args.rows)
+    texts = sample_tickets(args.rows)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "threads": args.threads,
               "rows": args.rows, "batch": args.batch, "rounds": args.rounds, "task": os.path.basename(args.task),
               "skipped": None, "contenders": {}}
     ours = Worker(args.threads)
-    workers = {}
+    workers, one_row = {}, {}  # contender -> its worker; contender -> compared with C at batch 1
     try:
         info = ours.ask(op="ours", model=args.model, task=args.task, texts=texts, batches=[args.batch, 1],
                         threads=args.threads)
@@ -133,6 +124,7 @@ def run(argv=None) -> dict:
                       suffix_tokens_per_row=sum(map(len, info["suffix_ids"])) / args.rows,
                       non_embedding_params=info["non_embedding_params"])
         workers.update({name: ours for name in info["contenders"]})
+        one_row.update(info["contenders"])
         gguf = _gguf(args.model, args.gguf)
         report["skipped"] = llama_cpp_peer.available() or (None if gguf else "llama.cpp contenders skipped: "
                                                            "no GGUF for this model (give --gguf)")
@@ -147,6 +139,7 @@ def run(argv=None) -> dict:
             if any(answer["token_mismatches"].values()):
                 raise SystemExit(f"llama.cpp tokenizes the prompts differently: {answer['token_mismatches']} rows")
             workers.update({name: llama for name in answer["contenders"]})
+            one_row.update(answer["contenders"])
         elif report["skipped"]:
             print(report["skipped"], file=sys.stderr)
 
@@ -171,8 +164,7 @@ def run(argv=None) -> dict:
     flop_per_row = 2 * report["non_embedding_params"] * report["suffix_tokens_per_row"]
     for name, ts in times.items():
         best = min(ts)
-        one_row = "one row" in name or (name.startswith("C batch ") and int(name.split()[2].rstrip(",")) == 1)
-        c_ms = min(times["C batch 1" if one_row else f"C batch {args.batch}"])
+        c_ms = min(times["C batch 1" if one_row[name] else f"C batch {args.batch}"])
         report["contenders"][name] = {"ms_per_row": best, "rounds": ts, "c_speed_vs": best / c_ms,
                                       "gflops": flop_per_row / (best * 1e6),
                                       "agreement_with_c": _agreement(labels[name], reference)}

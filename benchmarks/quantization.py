@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import time
@@ -36,6 +35,7 @@ def _per_channel(w: torch.Tensor) -> torch.Tensor:
 def layer_errors(threads: int = 2) -> list[tuple[str, float, float, float]]:
     from beam_prefix import PrefixClassifier, TaskSpec
     from beam_prefix.model import load_model
+    from benchmarks.data import sample_tickets
 
     loaded = load_model("embedded", threads=threads, prepack=False)
     inputs: dict[str, torch.Tensor] = {}
@@ -43,8 +43,7 @@ def layer_errors(threads: int = 2) -> list[tuple[str, float, float, float]]:
     hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: inputs.__setitem__(n, inp[0].reshape(-1, inp[0].shape[-1])))
              for n, m in linears.items()]
     task = TaskSpec.from_yaml(os.path.join(_ROOT, "pipelines", "tasks", "support_tickets.yaml"))
-    with open(os.path.join(_ROOT, "pipelines", "data", "sample_tickets.csv"), newline="", encoding="utf-8") as f:
-        tickets = [r["text"] for r in csv.DictReader(f)][:16]
+    tickets = sample_tickets(16)
     PrefixClassifier(task=task, loaded=loaded, verify=False, batch_size=16).classify(tickets)
     for h in hooks:
         h.remove()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from beam_prefix.transforms import ClassifyText
 from benchmarks import contenders
 from benchmarks import report as report_module
 from benchmarks.batch_one import batch_one
+from benchmarks.data import csv_rows, sample_tickets
 from benchmarks.floor import floor_ms_per_row, matmul_gflops, non_embedding_params, other_flops_per_row
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,19 +47,13 @@ _TASKS = os.path.join(_ROOT, "pipelines", "tasks")
 _LOGGER = logging.getLogger(__name__)
 
 
-def _csv(path: str, text: str, label: str) -> list[tuple[str, str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return [(r[text], r[label]) for r in csv.DictReader(f)]
-
-
 def _workloads(args) -> dict[str, tuple[TaskSpec, list[str]]]:
     out = {}
     if "support" in args.workloads and args.support_rows:
-        tickets = [t for t, _ in _csv(os.path.join(_DATA, "sample_tickets.csv"), "text", "label")]
         out["support"] = (TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets.yaml")),
-                          [tickets[i % len(tickets)] for i in range(args.support_rows)])
+                          sample_tickets(args.support_rows))
     if "banking77" in args.workloads and args.banking77_rows:
-        texts = [t for t, _ in _csv(args.banking77_csv, "text", "category")]
+        texts = [t for t, _ in csv_rows(args.banking77_csv, label="category")]
         if len(texts) < args.banking77_rows:
             raise SystemExit(f"{args.banking77_csv} has {len(texts)} rows, fewer than --banking77_rows")
         out["banking77"] = (TaskSpec.from_yaml(os.path.join(_TASKS, "banking77.yaml")),
@@ -224,7 +218,7 @@ def _sliding(loaded, args) -> dict:
         model = LoadedModel(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval(),
                             loaded.tokenizer, "random Mistral-style, SmolLM2 shapes, window 512")
     task = TaskSpec.from_yaml(os.path.join(_TASKS, "banking77.yaml")).replace(label_search="exhaustive")
-    texts = [t for t, _ in _csv(args.banking77_csv, "text", "category")][:args.sliding_rows]
+    texts = [t for t, _ in csv_rows(args.banking77_csv, label="category")][:args.sliding_rows]
     out = {"model": model.model_id, "rows": len(texts), "runs": []}
     for engine in ("shared", "expanded"):
         clf = PrefixClassifier(task=task, loaded=model, verify=False, prefix_attention=engine)
@@ -263,7 +257,7 @@ def _scaled_task(task: TaskSpec, pool: list[tuple[str, str]], target: int, token
 
 def _scaling(loaded, args) -> list[dict]:
     task = TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets.yaml"))
-    pool = _csv(os.path.join(_DATA, "sample_tickets.csv"), "text", "label")
+    pool = csv_rows(os.path.join(_DATA, "sample_tickets.csv"))
     texts = [t for t, _ in pool]
     out = []
     for target in args.scaling_tokens:
