@@ -143,8 +143,9 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
             (and so every tensor of the engine's calls).
         trust_remote_code: allow model code from the model repository.
         prepack: fp32 on a CPU: run the base model's linear layers on weights prepacked
-            for oneDNN (`cpu_linear`; equal within float rounding, faster). Default: on,
-            unless the environment sets ``BEAM_PREFIX_PREPACK=0``.
+            for oneDNN, and linears that take the same input (q/k/v, gate/up) as one GEMM
+            (`cpu_linear`); equal within float rounding, faster. Default: on, unless the
+            environment sets ``BEAM_PREFIX_PREPACK=0``.
 
     Raises:
         ModelLoadError: with the cause and what to do about it.
@@ -166,15 +167,24 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
     loaded.model.eval()
     if prepack is None:
         prepack = os.environ.get("BEAM_PREFIX_PREPACK", "1") != "0"
-    packed = 0
+    fast = ""
     if prepack and place.type == "cpu" and dtype in ("float32", "fp32"):
-        from beam_prefix.cpu_linear import prepack_linears
-
-        packed = prepack_linears(loaded.model.base_model)
+        fast = _cpu_fast_path(loaded)
     loaded.load_s = time.perf_counter() - start
-    _LOGGER.info("loaded model %s (%s, %s%s) in %.1f s", loaded.model_id, dtype, place,
-                 f", {packed} linear layers prepacked" if packed else "", loaded.load_s)
+    _LOGGER.info("loaded model %s (%s, %s%s) in %.1f s", loaded.model_id, dtype, place, fast, loaded.load_s)
     return loaded
+
+
+def _cpu_fast_path(loaded: LoadedModel) -> str:
+    """Prepacked linears, siblings grouped (fp32 CPU); what was switched, for the log."""
+    from beam_prefix.cpu_linear import fuse_siblings, prepack_linears
+
+    base = loaded.model.base_model
+    packed = prepack_linears(base)
+    if not packed:
+        return ""
+    groups = fuse_siblings(base, loaded.model.config.get_text_config().vocab_size)
+    return f", {packed} linear layers prepacked, {groups} groups of them computed as one GEMM each"
 
 
 def load_tokenizer(spec: str = EMBEDDED, *, trust_remote_code: bool = False):

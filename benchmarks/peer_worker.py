@@ -16,27 +16,37 @@ import sys
 import time
 
 
+# our variants: the model as loaded, and what each of its CPU fast paths buys; (state key, name suffix)
+VARIANTS = (("loaded", ""), ("ungrouped", ", siblings not grouped"), ("plain", ", weights not prepacked"))
+
+
 def _argmax(scores) -> int:
     return max(range(len(scores)), key=scores.__getitem__)
 
 
 def _ours(cmd: dict) -> tuple[dict, dict]:
-    """Our engine at each batch size in `batches`, with and without prepacked weights, the
-    task uncalibrated (argmax of the label tokens' logits, as llama.cpp's contenders read them)."""
+    """Our engine at each batch size in `batches` as `load_model` loads it (weights prepacked,
+    siblings grouped), with siblings not grouped, and with weights not prepacked; the task
+    uncalibrated (argmax of the label tokens' logits, as llama.cpp's contenders read them)."""
     import torch
 
     from beam_prefix import PrefixClassifier, TaskSpec
+    from beam_prefix.cpu_linear import unfuse_siblings
     from beam_prefix.model import load_model
     from benchmarks.floor import non_embedding_params
 
     loaded = load_model(cmd["model"], dtype=cmd.get("dtype", "float32"), threads=cmd["threads"])
-    # the same engine on plain F.linear (weights not prepacked): what the prepacking buys
+    # what grouping siblings buys: the same, each linear computing alone
+    ungrouped = load_model(cmd["model"], dtype=cmd.get("dtype", "float32"), threads=cmd["threads"])
+    unfuse_siblings(ungrouped.model)
+    # what prepacking buys: plain F.linear
     plain = load_model(cmd["model"], dtype=cmd.get("dtype", "float32"), threads=cmd["threads"], prepack=False)
     task = TaskSpec.from_yaml(cmd["task"]).replace(calibration=False)
     texts = cmd["texts"]
     runs, one_row, clf = {}, {}, None
     for batch in cmd["batches"]:
-        for model, suffix in ((loaded, ""), (plain, ", weights not prepacked")):
+        for model, suffix in VARIANTS:
+            model = {"loaded": loaded, "ungrouped": ungrouped, "plain": plain}[model]
             clf = PrefixClassifier(task=task, loaded=model, verify=False, batch_size=batch)
             clf.classify(texts[:batch])  # warm-up
             name = f"C batch {batch}{suffix}"
@@ -53,7 +63,7 @@ def _ours(cmd: dict) -> tuple[dict, dict]:
             "labels": list(task.label_names),
             "non_embedding_params": non_embedding_params(loaded.model), "threads": torch.get_num_threads(),
             "contenders": one_row}
-    state = {"runs": runs, "loaded": loaded, "plain": plain, "task": task, "texts": texts}
+    state = {"runs": runs, "loaded": loaded, "ungrouped": ungrouped, "plain": plain, "task": task, "texts": texts}
     return info, state
 
 
@@ -77,11 +87,12 @@ def _llama(cmd: dict) -> tuple[dict, dict]:
             runs[name] = (lambda e: lambda: [labels[_argmax(s)] for s in e.scores(suffixes, first_ids)])(engine)
             one_row[name] = False
         if kind in cmd["one_row"]:
-            one = peer.OneRow(path, prefix, max_suffix=max_suffix, threads=threads, flash_attn=False)
-            one.scores(suffixes[:2], first_ids)
-            name = f"L {kind} one row (Llama, kept prefix)"
-            runs[name] = (lambda e: lambda: [labels[_argmax(s)] for s in e.scores(suffixes, first_ids)])(one)
-            one_row[name] = True
+            for fa in (False, True):
+                one = peer.OneRow(path, prefix, max_suffix=max_suffix, threads=threads, flash_attn=fa)
+                one.scores(suffixes[:2], first_ids)
+                name = f"L {kind} one row (Llama, kept prefix), flash attention {'on' if fa else 'off'}"
+                runs[name] = (lambda e: lambda: [labels[_argmax(s)] for s in e.scores(suffixes, first_ids)])(one)
+                one_row[name] = True
     return {"token_mismatches": mismatched, "contenders": one_row, "files": files}, {"runs": runs}
 
 
@@ -89,9 +100,8 @@ def _profile(state: dict, cmd: dict) -> dict:
     """Self time of each torch op over one pass of `rows` rows at `batch`."""
     from benchmarks.op_profile import profile_classify
 
-    model = state["plain" if cmd.get("plain") else "loaded"]
-    return dict(profile_classify(model, state["task"], state["texts"][:cmd["rows"]], cmd["batch"],
-                                 top=cmd.get("top", 25)), prepacked=not cmd.get("plain"))
+    return dict(profile_classify(state[cmd["variant"]], state["task"], state["texts"][:cmd["rows"]], cmd["batch"],
+                                 top=cmd.get("top", 25)), variant=cmd["variant"])
 
 
 def main() -> None:

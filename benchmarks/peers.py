@@ -4,10 +4,11 @@
     make bench-peers                            # the same, installing llama-cpp-python first
 
 One driver, two worker processes (`benchmarks.peer_worker`): ours (C: `PrefixClassifier.classify`
-at batch 64 and at batch 1, fp32, with its linear weights prepacked for oneDNN as `load_model`
-does by default, and without: what that buys) and llama.cpp (L, `benchmarks.llama_cpp_peer`: its batched
-path over a shared prefix with flash attention on and off, and its high-level one-row path,
-on the embedded GGUF re-quantized by llama.cpp's quantizer to F32, Q8_0 and Q4_0). Both
+at batch 64 and at batch 1, fp32, as `load_model` loads it by default: linear weights prepacked
+for oneDNN and linears that share an input grouped into one GEMM; then without the grouping,
+and without prepacking: what each buys) and llama.cpp (L, `benchmarks.llama_cpp_peer`: its
+batched path over a shared prefix and its high-level one-row path, each with flash attention
+on and off, on the embedded GGUF re-quantized by llama.cpp's quantizer to F32, Q8_0 and Q4_0). Both
 get the same threads; the driver runs one contender at a time, in interleaved rounds, and
 reports each one's best round, so drift of the machine's speed moves no ratio.
 
@@ -15,8 +16,7 @@ Checked on every row: llama.cpp's tokenizer gives our prompt token ids for the w
 (the contenders are then fed those ids). Reported: ms/row, C's speed relative to each
 contender (its ms/row over C's at the same batch class), effective GFLOP/s (2 x non-embedding
 parameters x suffix tokens per row) and each contender's label agreement with C's
-uncalibrated labels. With `--profile`, our per-op profile at batch 64 and 1, with and without
-prepacked weights.
+uncalibrated labels. With `--profile`, our per-op profile at batch 64 and 1 for each variant.
 llama-cpp-python missing: L is skipped with a line saying so.
 
 Writes `peers.json` and `peers.md` under `--out_dir`.
@@ -153,9 +153,9 @@ def run(argv=None) -> dict:
             print(f"round {r + 1}: " + ", ".join(f"{n} {t[-1]:.1f}" for n, t in times.items()), file=sys.stderr)
         if args.profile:
             # batch 1 records one forward's ops per row: fewer rows keep the profiler's memory small
-            report["profile"] = [ours.ask(op="profile", batch=b, plain=plain,
+            report["profile"] = [ours.ask(op="profile", batch=b, variant=variant,
                                           rows=min(args.profile_rows if b > 1 else max(1, args.profile_rows // 8), args.rows))
-                                 for b in (args.batch, 1) for plain in (True, False)]
+                                 for b in (args.batch, 1) for variant in ("plain", "ungrouped", "loaded")]
     finally:
         for worker in {id(w): w for w in list(workers.values()) + [ours]}.values():
             worker.close()
@@ -178,6 +178,11 @@ def run(argv=None) -> dict:
     return report
 
 
+_VARIANT_NAMES = {"plain": "weights not prepacked (plain F.linear)",
+                  "ungrouped": "weights prepacked, siblings not grouped",
+                  "loaded": "weights prepacked, siblings grouped (as loaded)"}
+
+
 def _markdown(report: dict) -> str:
     from benchmarks.op_profile import markdown as profile_markdown
 
@@ -197,8 +202,7 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {name} | {c['ms_per_row']:.1f} | {c['c_speed_vs']:.2f}x | {c['gflops']:.0f} | "
                      f"{100 * c['agreement_with_c']:.1f}% |")
     for prof in report.get("profile", ()):
-        weights = "weights prepacked" if prof["prepacked"] else "weights not prepacked (plain F.linear)"
-        lines += ["", f"## Our per-op profile, {weights}, " + profile_markdown(prof)]
+        lines += ["", f"## Our per-op profile, {_VARIANT_NAMES[prof['variant']]}, " + profile_markdown(prof)]
     return "\n".join(lines)
 
 

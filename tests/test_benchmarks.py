@@ -85,7 +85,7 @@ def test_peers_benchmark_runs_ours_and_says_why_llama_cpp_is_skipped(tiny_dir, t
     report = peers.run([f"--model={tiny_dir}", "--rows=8", "--batch=4", "--rounds=2", "--profile",
                         "--profile_rows=4", f"--out_dir={tmp_path}"])
     assert "no GGUF" in report["skipped"] or "not installed" in report["skipped"]
-    names = ["C batch 4", "C batch 4, weights not prepacked", "C batch 1", "C batch 1, weights not prepacked"]
+    names = [f"C batch {b}{v}" for b in (4, 1) for v in ("", ", siblings not grouped", ", weights not prepacked")]
     assert list(report["contenders"]) == names
     for name, c in report["contenders"].items():
         assert len(c["rounds"]) == 2 and c["ms_per_row"] == min(c["rounds"])
@@ -93,7 +93,8 @@ def test_peers_benchmark_runs_ours_and_says_why_llama_cpp_is_skipped(tiny_dir, t
     assert report["contenders"]["C batch 1, weights not prepacked"]["c_speed_vs"] == (
         min(report["contenders"]["C batch 1, weights not prepacked"]["rounds"])
         / min(report["contenders"]["C batch 1"]["rounds"]))
-    assert [(p["batch"], p["prepacked"]) for p in report["profile"]] == [(4, False), (4, True), (1, False), (1, True)]
+    assert [(p["batch"], p["variant"]) for p in report["profile"]] == [
+        (b, v) for b in (4, 1) for v in ("plain", "ungrouped", "loaded")]
     assert all(p["ops"] and p["ops"][0]["self_ms_per_row"] > 0 for p in report["profile"])
     md = (tmp_path / "peers.md").read_text()
     assert report["skipped"] in md and "| C batch 4 |" in md
@@ -109,5 +110,5 @@ def test_llama_cpp_reads_our_token_ids_and_agrees_on_the_same_weights(tmp_path):
                         f"--out_dir={tmp_path}"])
     assert report["skipped"] is None and report["token_mismatches"] == {"F32": 0}
     llama = {n: c for n, c in report["contenders"].items() if n.startswith("L F32")}
-    assert len(llama) == 3  # batched with flash attention on and off, and one row
+    assert len(llama) == 4  # batched and one row, each with flash attention on and off
     assert all(c["agreement_with_c"] == 1.0 for c in llama.values()), llama
