@@ -185,6 +185,8 @@ def fuse_siblings(base_model: torch.nn.Module, vocab_size: int) -> int:
     try:
         with torch.inference_mode():
             expected = base_model(input_ids=ids).last_hidden_state
+    except Exception:  # a model that needs more than token ids: leave it ungrouped
+        return 0
     finally:
         for h in hooks:
             h.remove()

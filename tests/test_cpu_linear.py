@@ -210,6 +210,17 @@ def test_a_grouping_that_changes_the_output_is_undone():
     assert torch.allclose(got[..., 4:], torch.nn.functional.linear(2 * x, model.b.weight, model.b.bias), atol=1e-5)
 
 
+class _NeedsMoreThanIds(_WritesIntoItsInput):
+    def forward(self, input_ids, extra):
+        return super().forward(input_ids)
+
+
+def test_a_model_whose_forward_needs_more_than_token_ids_stays_ungrouped():
+    model = _NeedsMoreThanIds()
+    prepack_linears(model)
+    assert fuse_siblings(model, 10) == 0 and not _members(model)
+
+
 def test_load_model_groups_siblings_of_fp32_cpu_models_only(tiny_dir):
     assert len(_members(load_model(tiny_dir).model)) == 5 * 3
     assert not _members(load_model(tiny_dir, prepack=False).model)
