@@ -29,6 +29,7 @@ also when it raises.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -105,7 +106,7 @@ class _Siblings:
 
     def __init__(self, members: list[PackedLinear]):
         self.members = members
-        ends = torch.tensor([m.out_features for m in members]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(m.out_features for m in members))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self._held = None
 
