@@ -1,5 +1,6 @@
-"""The benchmarks' rows: the project's CSV files read one way, and the sample tickets cycled
-to any number of rows."""
+"""Where the benchmarks read and write (the project's data, tasks and results directories),
+their rows (the project's CSV files read one way) and the sample tickets cycled to any
+number of rows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "pipelines", "data")
 TASKS = os.path.join(ROOT, "pipelines", "tasks")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 def csv_rows(path: str, text: str = "text", label: str = "label") -> list[tuple[str, str]]:

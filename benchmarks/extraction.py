@@ -34,11 +34,12 @@ import time
 
 import torch
 
+from benchmarks.data import DATA, TASKS, RESULTS
+
 __all__ = ["run"]
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LOGGER = logging.getLogger(__name__)
-GOLD = os.path.join(_ROOT, "pipelines", "data", "ticket_fields_gold.jsonl")
+GOLD = os.path.join(DATA, "ticket_fields_gold.jsonl")
 
 
 def recipe(ex, texts) -> list[tuple[int, ...]]:
@@ -159,7 +160,7 @@ def run(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     task = load_task(args.task)
     ex = Extractor(task=task, loaded=load_model(args.model), batch_size=args.batch_size, verify=False)
-    texts = [r["text"] for r in pq.read_table(os.path.join(_ROOT, "pipelines", "data", "sample_tickets.parquet"))
+    texts = [r["text"] for r in pq.read_table(os.path.join(DATA, "sample_tickets.parquet"))
              .to_pylist()][:args.rows]
     a_texts = texts[:args.a_rows]
     # warm-up: each contender once
@@ -211,14 +212,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.extraction", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--task", default=os.path.join(_ROOT, "pipelines", "tasks", "ticket_fields.yaml"))
+    parser.add_argument("--task", default=os.path.join(TASKS, "ticket_fields.yaml"))
     parser.add_argument("--gold", default=GOLD)
     parser.add_argument("--rows", type=int, default=60)
     parser.add_argument("--a_rows", type=int, default=20, help="rows for A (the slowest), the first of --rows")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
+    parser.add_argument("--out_dir", default=RESULTS)
     return parser
 
 

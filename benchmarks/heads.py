@@ -32,11 +32,7 @@ from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.embed_transform import features_task
 from beam_prefix.model import load_model
 from beam_prefix.trained_head import feature_fingerprint, text_hash
-from benchmarks.data import csv_rows
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_DATA = os.path.join(_ROOT, "pipelines", "data")
-_TASKS = os.path.join(_ROOT, "pipelines", "tasks")
+from benchmarks.data import DATA, TASKS, RESULTS, csv_rows
 
 
 def _accuracy(clf: PrefixClassifier, rows) -> float:
@@ -70,19 +66,19 @@ def run(argv=None) -> dict:
     parser.add_argument("--banking77_lm_rows", type=int, default=100)
     parser.add_argument("--skip", default="", type=lambda s: set(x for x in s.split(",") if x),
                         help="sections to skip: accuracy, cost, fit_time")
-    parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
+    parser.add_argument("--out_dir", default=RESULTS)
     args = parser.parse_args(argv)
     loaded = load_model(args.model)
     report = {"model": loaded.model_id, "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
               "torch_threads": torch.get_num_threads()}
-    support_train, support_test = csv_rows(os.path.join(_DATA, "sample_tickets.csv")), \
-        csv_rows(os.path.join(_DATA, "heldout_tickets.csv"))
-    bank_train = csv_rows(os.path.join(_DATA, "banking77", "train.csv"), label="category")
-    bank_test = csv_rows(os.path.join(_DATA, "banking77", "test.csv"), label="category")
-    support = TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets.yaml"))
-    support_head = TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets_head.yaml"))
-    bank_lm = TaskSpec.from_yaml(os.path.join(_TASKS, "banking77.yaml"))
-    bank_head = TaskSpec.from_yaml(os.path.join(_TASKS, "banking77_head.yaml"))
+    support_train, support_test = csv_rows(os.path.join(DATA, "sample_tickets.csv")), \
+        csv_rows(os.path.join(DATA, "heldout_tickets.csv"))
+    bank_train = csv_rows(os.path.join(DATA, "banking77", "train.csv"), label="category")
+    bank_test = csv_rows(os.path.join(DATA, "banking77", "test.csv"), label="category")
+    support = TaskSpec.from_yaml(os.path.join(TASKS, "support_tickets.yaml"))
+    support_head = TaskSpec.from_yaml(os.path.join(TASKS, "support_tickets_head.yaml"))
+    bank_lm = TaskSpec.from_yaml(os.path.join(TASKS, "banking77.yaml"))
+    bank_head = TaskSpec.from_yaml(os.path.join(TASKS, "banking77_head.yaml"))
     engines = {name: PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=False)
                for name, task in (("support LM (calibrated)", support), ("support head", support_head),
                                   ("banking77 head", bank_head))}
@@ -101,7 +97,7 @@ def run(argv=None) -> dict:
         few_clf = PrefixClassifier(task=bank_head.replace(head=head10), loaded=loaded, batch_size=64, verify=False)
         acc["banking77 head (fit on 10 rows per intent, 770 rows), 3,080 test"] = _accuracy(few_clf, bank_test)
         lm = PrefixClassifier(task=bank_lm, loaded=loaded, batch_size=16, verify=False)
-        sample = csv_rows(os.path.join(_DATA, "banking77", "test_sample.csv"), label="category")  # random test rows
+        sample = csv_rows(os.path.join(DATA, "banking77", "test_sample.csv"), label="category")  # random test rows
         acc[f"banking77 LM scoring (shipped task, pruned), {args.banking77_lm_rows} random test rows"] = _accuracy(
             lm, sample[:args.banking77_lm_rows])
         report["accuracy"] = acc
@@ -138,10 +134,10 @@ def _fit_time(args) -> dict:
     import subprocess
 
     out = tempfile.mkdtemp(prefix="heads-bench-")
-    train = os.path.join(_DATA, "banking77", "train.csv")
+    train = os.path.join(DATA, "banking77", "train.csv")
     head = os.path.join(out, "banking77.head")
     task = os.path.join(out, "banking77_head.yaml")
-    text = open(os.path.join(_TASKS, "banking77_head.yaml"), encoding="utf-8").read()
+    text = open(os.path.join(TASKS, "banking77_head.yaml"), encoding="utf-8").read()
     with open(task, "w", encoding="utf-8") as f:
         f.write(text.replace("head: banking77.head", f"head: {head}"))
     common = ["--runner=DirectRunner", f"--model={args.model}", "--batch_size=64"]

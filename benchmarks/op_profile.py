@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Sequence
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.data import TASKS, sample_tickets
 
 
 def profile_classify(loaded, task, texts: Sequence[str], batch: int, *, top: int = 25) -> dict:
@@ -53,11 +53,10 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> None:
     from beam_prefix import TaskSpec
     from beam_prefix.model import load_model
-    from benchmarks.data import sample_tickets
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--task", default=os.path.join(_ROOT, "pipelines", "tasks", "support_tickets.yaml"))
+    parser.add_argument("--task", default=os.path.join(TASKS, "support_tickets.yaml"))
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)

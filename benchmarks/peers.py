@@ -32,15 +32,15 @@ import subprocess
 import sys
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.data import ROOT, TASKS, RESULTS, sample_tickets
 
 
 class Worker:
     """A `benchmarks.peer_worker` process spoken to by JSON lines."""
 
     def __init__(self, threads: int):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=_ROOT)
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.peer_worker"], cwd=_ROOT, env=env,
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.peer_worker"], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, **cmd) -> dict:
@@ -90,12 +90,11 @@ def _gguf(model: str, given: str | None) -> str | None:
 def run(argv=None) -> dict:
     from beam_prefix.model import cache_root
     from benchmarks import llama_cpp_peer
-    from benchmarks.data import sample_tickets
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--gguf", default=None, help="the GGUF of --model for llama.cpp (embedded: its own)")
-    parser.add_argument("--task", default=os.path.join(_ROOT, "pipelines", "tasks", "support_tickets.yaml"))
+    parser.add_argument("--task", default=os.path.join(TASKS, "support_tickets.yaml"))
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
@@ -105,7 +104,7 @@ def run(argv=None) -> dict:
                         help="kinds that also get the high-level one-row path")
     parser.add_argument("--profile", action="store_true", help="our per-op profile at --batch and at 1")
     parser.add_argument("--profile_rows", type=int, default=128)
-    parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
+    parser.add_argument("--out_dir", default=RESULTS)
     args = parser.parse_args(argv)
     unknown = set(args.kinds) - set(llama_cpp_peer.KINDS)
     if unknown:

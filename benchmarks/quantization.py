@@ -19,7 +19,7 @@ import time
 
 import torch
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.data import TASKS, sample_tickets
 
 
 def _per_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -35,14 +35,13 @@ def _per_channel(w: torch.Tensor) -> torch.Tensor:
 def layer_errors(threads: int = 2) -> list[tuple[str, float, float, float]]:
     from beam_prefix import PrefixClassifier, TaskSpec
     from beam_prefix.model import load_model
-    from benchmarks.data import sample_tickets
 
     loaded = load_model("embedded", threads=threads, prepack=False)
     inputs: dict[str, torch.Tensor] = {}
     linears = {n: m for n, m in loaded.model.base_model.named_modules() if isinstance(m, torch.nn.Linear)}
     hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: inputs.__setitem__(n, inp[0].reshape(-1, inp[0].shape[-1])))
              for n, m in linears.items()]
-    task = TaskSpec.from_yaml(os.path.join(_ROOT, "pipelines", "tasks", "support_tickets.yaml"))
+    task = TaskSpec.from_yaml(os.path.join(TASKS, "support_tickets.yaml"))
     tickets = sample_tickets(16)
     PrefixClassifier(task=task, loaded=loaded, verify=False, batch_size=16).classify(tickets)
     for h in hooks:

@@ -30,9 +30,10 @@ import sys
 import tempfile
 import time
 
+from benchmarks.data import DATA, ROOT, TASKS, RESULTS
+
 __all__ = ["run"]
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LOGGER = logging.getLogger(__name__)
 _TRIAGE = ("urgent", "normal", "spam", "question")
 _TOPICS = ("a bank", "a game studio", "an airline", "a school", "a hospital", "a shop", "a telecom",
@@ -43,7 +44,7 @@ _TOPICS = ("a bank", "a game studio", "an airline", "a school", "a hospital", "a
 def _tasks(n: int) -> dict:
     from beam_prefix.task import TaskSpec
 
-    base = TaskSpec.from_yaml(os.path.join(_ROOT, "pipelines", "tasks", "support_tickets.yaml"))
+    base = TaskSpec.from_yaml(os.path.join(TASKS, "support_tickets.yaml"))
     out = {}
     for i in range(n):
         topic = _TOPICS[i % len(_TOPICS)]
@@ -58,8 +59,7 @@ def _tasks(n: int) -> dict:
 def _rows(n: int, keys: list[str]) -> list[dict]:
     import pyarrow.parquet as pq
 
-    texts = [r["text"] for r in pq.read_table(os.path.join(_ROOT, "pipelines", "data",
-                                                           "sample_tickets.parquet")).to_pylist()]
+    texts = [r["text"] for r in pq.read_table(os.path.join(DATA, "sample_tickets.parquet")).to_pylist()]
     rng = random.Random(0)
     return [{"id": i, "tenant": rng.choice(keys), "text": texts[i % len(texts)]} for i in range(n)]
 
@@ -116,7 +116,7 @@ def run(argv=None) -> dict:
         for contender in runs:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, "-m", "benchmarks.routing", "--one", contender, "--json", f.name,
-                                *_forward(args)], check=True, cwd=_ROOT)
+                                *_forward(args)], check=True, cwd=ROOT)
                 runs[contender].append(json.load(open(f.name, encoding="utf-8")))
             _LOGGER.info("round %d %s: %.1f rows/s", r + 1, contender, runs[contender][-1]["rows_per_s"])
     best = {k: max(v, key=lambda x: x["rows_per_s"]) for k, v in runs.items()}
@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--capped_tasks", type=int, default=5)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
+    parser.add_argument("--out_dir", default=RESULTS)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
     return parser

@@ -38,25 +38,22 @@ from beam_prefix.transforms import ClassifyText
 from benchmarks import contenders
 from benchmarks import report as report_module
 from benchmarks.batch_one import batch_one
-from benchmarks.data import csv_rows, sample_tickets
+from benchmarks.data import ROOT, DATA, TASKS, RESULTS, csv_rows, sample_tickets
 from benchmarks.floor import floor_ms_per_row, matmul_gflops, non_embedding_params, other_flops_per_row
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_DATA = os.path.join(_ROOT, "pipelines", "data")
-_TASKS = os.path.join(_ROOT, "pipelines", "tasks")
 _LOGGER = logging.getLogger(__name__)
 
 
 def _workloads(args) -> dict[str, tuple[TaskSpec, list[str]]]:
     out = {}
     if "support" in args.workloads and args.support_rows:
-        out["support"] = (TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets.yaml")),
+        out["support"] = (TaskSpec.from_yaml(os.path.join(TASKS, "support_tickets.yaml")),
                           sample_tickets(args.support_rows))
     if "banking77" in args.workloads and args.banking77_rows:
         texts = [t for t, _ in csv_rows(args.banking77_csv, label="category")]
         if len(texts) < args.banking77_rows:
             raise SystemExit(f"{args.banking77_csv} has {len(texts)} rows, fewer than --banking77_rows")
-        out["banking77"] = (TaskSpec.from_yaml(os.path.join(_TASKS, "banking77.yaml")),
+        out["banking77"] = (TaskSpec.from_yaml(os.path.join(TASKS, "banking77.yaml")),
                             texts[:args.banking77_rows])
     return out
 
@@ -217,7 +214,7 @@ def _sliding(loaded, args) -> dict:
                                max_position_embeddings=8192, sliding_window=512, tie_word_embeddings=True)
         model = LoadedModel(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval(),
                             loaded.tokenizer, "random Mistral-style, SmolLM2 shapes, window 512")
-    task = TaskSpec.from_yaml(os.path.join(_TASKS, "banking77.yaml")).replace(label_search="exhaustive")
+    task = TaskSpec.from_yaml(os.path.join(TASKS, "banking77.yaml")).replace(label_search="exhaustive")
     texts = [t for t, _ in csv_rows(args.banking77_csv, label="category")][:args.sliding_rows]
     out = {"model": model.model_id, "rows": len(texts), "runs": []}
     for engine in ("shared", "expanded"):
@@ -256,8 +253,8 @@ def _scaled_task(task: TaskSpec, pool: list[tuple[str, str]], target: int, token
 
 
 def _scaling(loaded, args) -> list[dict]:
-    task = TaskSpec.from_yaml(os.path.join(_TASKS, "support_tickets.yaml"))
-    pool = csv_rows(os.path.join(_DATA, "sample_tickets.csv"))
+    task = TaskSpec.from_yaml(os.path.join(TASKS, "support_tickets.yaml"))
+    pool = csv_rows(os.path.join(DATA, "sample_tickets.csv"))
     texts = [t for t, _ in pool]
     out = []
     for target in args.scaling_tokens:
@@ -279,7 +276,7 @@ def _rss(args) -> dict:
     for threads in (1, 4):
         proc = subprocess.run([sys.executable, "-m", "benchmarks.rss_worker", "--threads", str(threads),
                                "--rows", str(args.rss_rows), "--model", args.model],
-                              cwd=_ROOT, capture_output=True, text=True, check=True)
+                              cwd=ROOT, capture_output=True, text=True, check=True)
         out[threads] = json.loads(proc.stdout.strip().splitlines()[-1])["max_rss_mb"]
     return {"rss_mb_1_thread": out[1], "rss_mb_4_threads": out[4], "ratio": out[4] / out[1]}
 
@@ -332,7 +329,7 @@ def run(argv=None) -> dict:
     parser.add_argument("--workloads", default="support,banking77", type=lambda s: s.split(","))
     parser.add_argument("--support_rows", type=int, default=600)
     parser.add_argument("--banking77_rows", type=int, default=300)
-    parser.add_argument("--banking77_csv", default=os.path.join(_DATA, "banking77", "test_sample.csv"))
+    parser.add_argument("--banking77_csv", default=os.path.join(DATA, "banking77", "test_sample.csv"))
     parser.add_argument("--a_rows", type=int, default=None, help="time A and B on the first N rows only")
     parser.add_argument("--banking77_a_rows", type=int, default=40,
                         help="the same for Banking77, where A takes seconds per row")
@@ -353,7 +350,7 @@ def run(argv=None) -> dict:
     parser.add_argument("--skip", default="", type=lambda s: set(x for x in s.split(",") if x),
                         help="any of: d, batch1, scaling, rss, modes, sliding")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--out_dir", default=os.path.join(_ROOT, "benchmarks", "results"))
+    parser.add_argument("--out_dir", default=RESULTS)
     args = parser.parse_args(argv)
 
     loaded = load_model(args.model, dtype=args.dtype, threads=args.threads)
