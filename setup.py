@@ -34,7 +34,7 @@ setup(
         "pyyaml>=6,<7",
         "numpy>=2,<3",
         "matplotlib>=3.9,<4",  # the confusion-matrix PNG of --eval_label_column
-        "llguidance>=1.9.1,<1.10",  # schema-constrained decoding for extraction (beam_prefix.constraints)
+        "llguidance>=1.9.1,<1.10",  # schema-constrained decoding for extraction (beam_prefix.engines.constraints)
         "scikit-learn>=1.9,<1.10",  # pipelines.fit: the head's logistic regression and its k-fold choice
         "safetensors>=0.5,<1",  # trained head files (transformers needs it too)
     ],

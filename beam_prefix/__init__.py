@@ -10,18 +10,18 @@ extraction, the tokens it generates).
     clf.classify(["I was charged twice"])[0].label
     Extractor.load("pipelines/tasks/ticket_fields.yaml").extract(["Refund order A-17"])[0].values
 
-The Beam steps are `beam_prefix.transforms.ClassifyText`,
-`beam_prefix.extract_transform.ExtractFields` and `beam_prefix.embed_transform.EmbedText`;
+The Beam steps are `beam_prefix.beam.classify_transform.ClassifyText`,
+`beam_prefix.beam.extract_transform.ExtractFields` and `beam_prefix.beam.embed_transform.EmbedText`;
 a task with ``scoring: head`` answers with a head fit by ``python -m pipelines.fit``.
 """
 
-from beam_prefix.classifier import Embedding, Prediction, PrefixClassifier
+from beam_prefix.engines.classifier import Embedding, Prediction, PrefixClassifier
 from beam_prefix.errors import (BeamPrefixError, BoundaryError, ModelLoadError, RowError,
                                 TaskSpecError, TextTooLongError, VerificationError)
-from beam_prefix.extract_task import ExtractExample, ExtractionSpec, Field, load_task
-from beam_prefix.extractor import Extraction, Extractor
-from beam_prefix.task import Example, Label, TaskSpec
-from beam_prefix.trained_head import TrainedHead
+from beam_prefix.tasks.extract_task import ExtractExample, ExtractionSpec, Field, load_task
+from beam_prefix.engines.extractor import Extraction, Extractor
+from beam_prefix.tasks.task import Example, Label, TaskSpec
+from beam_prefix.tasks.trained_head import TrainedHead
 
 __version__ = "0.1.0"
 

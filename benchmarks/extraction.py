@@ -101,7 +101,10 @@ def _timed(fn, rows: int):
 @contextlib.contextmanager
 def _profiled():
     """Seconds spent in the parts of C's decoding, by part (wrappers on module functions)."""
-    from beam_prefix import attention, constraints, decoding, output_head
+    from beam_prefix.model import attention
+    from beam_prefix.engines import constraints
+    from beam_prefix.engines import decoding
+    from beam_prefix.model import output_head
 
     spent = collections.Counter()
     patched = []
@@ -151,9 +154,9 @@ def accuracy(ex, gold_path: str = GOLD) -> dict:
 
 def run(argv=None) -> dict:
     args = _parser().parse_args(argv)
-    from beam_prefix.extract_task import load_task
-    from beam_prefix.extractor import Extractor
-    from beam_prefix.model import load_model
+    from beam_prefix.tasks.extract_task import load_task
+    from beam_prefix.engines.extractor import Extractor
+    from beam_prefix.model.loading import load_model
     import pyarrow.parquet as pq
 
     if args.threads:

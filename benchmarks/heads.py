@@ -29,9 +29,9 @@ import time
 import torch
 
 from beam_prefix import PrefixClassifier, TaskSpec
-from beam_prefix.embed_transform import features_task
-from beam_prefix.model import load_model
-from beam_prefix.trained_head import feature_fingerprint, text_hash
+from beam_prefix.beam.embed_transform import features_task
+from beam_prefix.model.loading import load_model
+from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from benchmarks.data import DATA, TASKS, RESULTS, csv_rows
 
 

@@ -52,7 +52,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> None:
     from beam_prefix import TaskSpec
-    from beam_prefix.model import load_model
+    from beam_prefix.model.loading import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded")

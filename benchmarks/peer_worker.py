@@ -31,8 +31,8 @@ def _ours(cmd: dict) -> tuple[dict, dict]:
     import torch
 
     from beam_prefix import PrefixClassifier, TaskSpec
-    from beam_prefix.cpu_linear import unfuse_siblings
-    from beam_prefix.model import load_model
+    from beam_prefix.model.cpu_linear import unfuse_siblings
+    from beam_prefix.model.loading import load_model
     from benchmarks.floor import non_embedding_params
 
     loaded = load_model(cmd["model"], dtype=cmd.get("dtype", "float32"), threads=cmd["threads"])

@@ -81,14 +81,14 @@ def _gguf(model: str, given: str | None) -> str | None:
     if model.endswith(".gguf"):
         return model
     if model == "embedded":
-        from beam_prefix.model import embedded_gguf_path
+        from beam_prefix.model.loading import embedded_gguf_path
 
         return embedded_gguf_path()
     return None
 
 
 def run(argv=None) -> dict:
-    from beam_prefix.model import cache_root
+    from beam_prefix.model.loading import cache_root
     from benchmarks import llama_cpp_peer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

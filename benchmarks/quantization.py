@@ -34,7 +34,7 @@ def _per_channel(w: torch.Tensor) -> torch.Tensor:
 
 def layer_errors(threads: int = 2) -> list[tuple[str, float, float, float]]:
     from beam_prefix import PrefixClassifier, TaskSpec
-    from beam_prefix.model import load_model
+    from beam_prefix.model.loading import load_model
 
     loaded = load_model("embedded", threads=threads, prepack=False)
     inputs: dict[str, torch.Tensor] = {}
@@ -59,7 +59,7 @@ def layer_errors(threads: int = 2) -> list[tuple[str, float, float, float]]:
 
 
 def kernel_times(threads: int = 2) -> list[dict]:
-    from beam_prefix.cpu_linear import _pack, _packed_linear
+    from beam_prefix.model.cpu_linear import _pack, _packed_linear
 
     torch.set_num_threads(threads)
 

@@ -42,7 +42,7 @@ _TOPICS = ("a bank", "a game studio", "an airline", "a school", "a hospital", "a
 
 
 def _tasks(n: int) -> dict:
-    from beam_prefix.task import TaskSpec
+    from beam_prefix.tasks.task import TaskSpec
 
     base = TaskSpec.from_yaml(os.path.join(TASKS, "support_tickets.yaml"))
     out = {}
@@ -70,10 +70,10 @@ def _one(contender: str, args) -> dict:
     from apache_beam.metrics.metric import MetricsFilter
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from beam_prefix.transforms import ClassifyText
+    from beam_prefix.beam.classify_transform import ClassifyText
 
     from beam_prefix import PrefixClassifier
-    from beam_prefix.model import load_model
+    from beam_prefix.model.loading import load_model
 
     tasks = _tasks(args.tasks)
     rows = _rows(args.rows, sorted(tasks))

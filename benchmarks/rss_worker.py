@@ -15,7 +15,7 @@ import resource
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.transforms import ClassifyText
+from beam_prefix.beam.classify_transform import ClassifyText
 from pipelines.options import SAMPLE_TICKETS, task_path
 
 

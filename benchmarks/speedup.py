@@ -29,12 +29,12 @@ import time
 import torch
 
 from beam_prefix import PrefixClassifier, TaskSpec
-from beam_prefix.cpu_linear import unpack_linears
-from beam_prefix.dofn import ClassifyConfig
-from beam_prefix.worker import _MODEL_HANDLE, ModelHolder
-from beam_prefix.model import LoadedModel, load_model
-from beam_prefix.task import Example
-from beam_prefix.transforms import ClassifyText
+from beam_prefix.model.cpu_linear import unpack_linears
+from beam_prefix.beam.classify_dofn import ClassifyConfig
+from beam_prefix.beam.worker import _MODEL_HANDLE, ModelHolder
+from beam_prefix.model.loading import LoadedModel, load_model
+from beam_prefix.tasks.task import Example
+from beam_prefix.beam.classify_transform import ClassifyText
 from benchmarks import contenders
 from benchmarks import report as report_module
 from benchmarks.batch_one import batch_one
@@ -235,7 +235,7 @@ def _sliding(loaded, args) -> dict:
 def _scaled_task(task: TaskSpec, pool: list[tuple[str, str]], target: int, tokenizer) -> TaskSpec:
     """The task with as many few-shot examples (cycled from `pool`) as reach ~`target`
     prefix tokens; no examples for the smallest target."""
-    from beam_prefix.prompt import PromptLayout
+    from beam_prefix.tasks.prompt import PromptLayout
 
     examples: list[Example] = []
     current = task.replace(examples=())

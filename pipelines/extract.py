@@ -25,8 +25,8 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.extract_task import ExtractionSpec, load_task
-from beam_prefix.extract_transform import ExtractConfig, ExtractFields
+from beam_prefix.tasks.extract_task import ExtractionSpec, load_task
+from beam_prefix.beam.extract_transform import ExtractConfig, ExtractFields
 from pipelines import launch
 from pipelines.launch import Plan, RunFailed, explain
 from pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, StepOptions, task_path

@@ -6,12 +6,12 @@
         --output banking77.head --runner=DataflowRunner ...   # features on any runner
 
 The rows are read with the same flags and IO layer as the other pipelines; each row's
-features (`beam_prefix.embed_transform.EmbedText`: the hidden state(s) at its last prompt
+features (`beam_prefix.beam.embed_transform.EmbedText`: the hidden state(s) at its last prompt
 position, the same batched cached engine) are computed by a Beam pipeline and staged
 beside the output; then, in this process, a multinomial logistic regression is fit on
 them (scikit-learn's `LogisticRegressionCV`: the regularisation chosen by stratified
 k-fold cross-validation on standardised features) and written as a head file
-(`beam_prefix.trained_head`) with the fold accuracy and per-label F1. The label column is
+(`beam_prefix.tasks.trained_head`) with the fold accuracy and per-label F1. The label column is
 checked before any model work: labels the task lacks, task labels with no row, fewer than
 two classes. Exit statuses as the other pipelines: 0 done, 1 the run failed, 2 bad flags
 or input.
@@ -35,10 +35,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.embed_transform import FEATURES_COLUMN, EmbedText
-from beam_prefix.task import TaskSpec
-from beam_prefix.task_file import read_task_file
-from beam_prefix.trained_head import TrainedHead, feature_fingerprint, text_hash
+from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
+from beam_prefix.tasks.task import TaskSpec
+from beam_prefix.tasks.task_file import read_task_file
+from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
 from pipelines.launch import explain
 from pipelines.options import StepOptions, task_path

@@ -20,7 +20,7 @@ from typing import Callable
 import apache_beam as beam
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
-from beam_prefix.dofn import FAILED_TAG
+from beam_prefix.beam.classify_dofn import FAILED_TAG
 from beam_prefix.errors import ModelLoadError
 from pipelines import bigquery_endpoint
 from pipelines.options import ClassifyOptions, StepOptions, validate

@@ -15,9 +15,9 @@ import os
 
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions
 
-from beam_prefix.model import EMBEDDED, check_device
-from beam_prefix.task import TaskSpec
-from beam_prefix.transforms import ClassifyText
+from beam_prefix.model.loading import EMBEDDED, check_device
+from beam_prefix.tasks.task import TaskSpec
+from beam_prefix.beam.classify_transform import ClassifyText
 
 __all__ = ["StepOptions", "ClassifyOptions", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]

@@ -21,9 +21,9 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from beam_prefix.dofn import FAILED_TAG, TOP_K_COLUMN, ClassifyConfig, failed_record
-from beam_prefix.schemas import failed_values
-from beam_prefix.schemas import json_text as to_json  # the pipelines' name for it
+from beam_prefix.beam.classify_dofn import FAILED_TAG, TOP_K_COLUMN, ClassifyConfig, failed_record
+from beam_prefix.beam.schemas import failed_values
+from beam_prefix.beam.schemas import json_text as to_json  # the pipelines' name for it
 from pipelines.options import StepOptions
 from pipelines.sources import require_columns
 from pipelines.summary import STASHED_KEYS

@@ -25,8 +25,8 @@ from apache_beam.io import fileio
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
-from beam_prefix.dofn import FAILED_TAG, failed_record
-from beam_prefix.task_file import nesting_depth
+from beam_prefix.beam.classify_dofn import FAILED_TAG, failed_record
+from beam_prefix.tasks.task_file import nesting_depth
 from pipelines.options import SAMPLE_TICKETS, StepOptions
 
 __all__ = ["read_rows", "input_schema", "known_columns", "require_columns", "input_format", "describe_input",

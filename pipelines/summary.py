@@ -18,7 +18,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 
-from beam_prefix.metrics import NAMESPACE as LIBRARY_NAMESPACE
+from beam_prefix.beam.metrics import NAMESPACE as LIBRARY_NAMESPACE
 
 __all__ = ["NAMESPACE", "GOLD_KEY", "FIT_KEY", "STASHED_KEYS", "stash_gold", "count_rows", "LabelCounter", "RowCounter", "CountFailures", "summarize", "format_summary",
            "write_confusion_png", "write_json"]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from beam_prefix import TaskSpec
-from beam_prefix.model import LoadedModel, load_model
+from beam_prefix.model.loading import LoadedModel, load_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SUPPORT_TASK = ROOT / "pipelines" / "tasks" / "support_tickets.yaml"

@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from beam_prefix import PrefixClassifier, attention
-from beam_prefix.attention import shared_prefix_attention
-from beam_prefix.model import LoadedModel
+from beam_prefix import PrefixClassifier
+from beam_prefix.model import attention
+from beam_prefix.model.attention import shared_prefix_attention
+from beam_prefix.model.loading import LoadedModel
 
 from conftest import TEXTS, assert_same_predictions, tiny_task
 

@@ -18,10 +18,10 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.dofn import ClassifyConfig, PrefixCachedClassifyDoFn, prob_column
-from beam_prefix.model import load_model
-from beam_prefix.transforms import ClassifyText
-from beam_prefix.worker import ModelHolder
+from beam_prefix.beam.classify_dofn import ClassifyConfig, PrefixCachedClassifyDoFn, prob_column
+from beam_prefix.model.loading import load_model
+from beam_prefix.beam.classify_transform import ClassifyText
+from beam_prefix.beam.worker import ModelHolder
 
 from conftest import TEXTS, run_in_threads, tiny_task
 

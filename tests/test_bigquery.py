@@ -11,8 +11,8 @@ import uuid
 import pytest
 
 from beam_prefix import PrefixClassifier, TaskSpec
-from beam_prefix.dofn import prob_column
-from beam_prefix.model import load_model
+from beam_prefix.beam.classify_dofn import prob_column
+from beam_prefix.model.loading import load_model
 from pipelines import bigquery_endpoint, classify
 from pipelines.options import ClassifyOptions, task_path
 from pipelines.sinks import bigquery_write_args
@@ -158,12 +158,12 @@ Ticket = typing.NamedTuple("Ticket", [("ticket_id", str), ("text", str), ("chann
 
 def test_schemad_library_output_to_bigquery(emulator, tiny_dir, reference, tmp_path):
     """ClassifyText on schema'd rows, written with the table schema derived from its output
-    type (`beam_prefix.schemas.bigquery_schema`): the types, the nested top_k, the labels."""
+    type (`beam_prefix.beam.schemas.bigquery_schema`): the types, the nested top_k, the labels."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from beam_prefix.schemas import bigquery_row, bigquery_schema
-    from beam_prefix.transforms import ClassifyText
+    from beam_prefix.beam.schemas import bigquery_row, bigquery_schema
+    from beam_prefix.beam.classify_transform import ClassifyText
 
     client = emulator.client()
     dataset = f"lib_{uuid.uuid4().hex[:8]}"

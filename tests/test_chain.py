@@ -13,13 +13,13 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.extract_transform import ExtractFields
-from beam_prefix.extractor import Extractor
-from beam_prefix.model import load_model
-from beam_prefix.schemas import input_fields
-from beam_prefix.transforms import ClassifyText
-from beam_prefix.yaml_provider import ClassifyText as YamlClassifyText
-from beam_prefix.yaml_provider import ExtractFields as YamlExtractFields
+from beam_prefix.beam.extract_transform import ExtractFields
+from beam_prefix.engines.extractor import Extractor
+from beam_prefix.model.loading import load_model
+from beam_prefix.beam.schemas import input_fields
+from beam_prefix.beam.classify_transform import ClassifyText
+from beam_prefix.beam.yaml_provider import ClassifyText as YamlClassifyText
+from beam_prefix.beam.yaml_provider import ExtractFields as YamlExtractFields
 
 from conftest import SUPPORT_TASK, TEXTS, tiny_task
 from test_extraction import extract_task

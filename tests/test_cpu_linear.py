@@ -1,4 +1,4 @@
-"""Prepacked linear layers (`beam_prefix.cpu_linear`): same results as `F.linear`, the
+"""Prepacked linear layers (`beam_prefix.model.cpu_linear`): same results as `F.linear`, the
 engine exact on them, copies and autograd still working, and `load_model` switching them
 on for fp32 CPU models only; siblings (linears on one input) computed as one GEMM, with
 the same results, whatever the call order, thread or failure."""
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.extractor import Extractor
-from beam_prefix.cpu_linear import (_GROUP, PackedLinear, _thread_slots, fuse_siblings, prepack_linears,
+from beam_prefix.engines.extractor import Extractor
+from beam_prefix.model.cpu_linear import (_GROUP, PackedLinear, _thread_slots, fuse_siblings, prepack_linears,
                                     prepack_works, unpack_linears)
-from beam_prefix.model import LoadedModel, load_model
+from beam_prefix.model.loading import LoadedModel, load_model
 
 from conftest import ARCHS, TEXTS, _tiny, assert_same_predictions, tiny_task
 

@@ -18,7 +18,7 @@ import torch
 
 from beam_prefix import Extractor, PrefixClassifier
 from beam_prefix.errors import ModelLoadError
-from beam_prefix.model import check_device, resolve_device
+from beam_prefix.model.loading import check_device, resolve_device
 
 from conftest import BANKING_LABELS, TEXTS, assert_same_predictions, tiny_task
 from test_extraction import extract_task
@@ -73,8 +73,8 @@ def test_the_whole_engine_makes_every_tensor_on_the_models_device(tiny_models, m
 
 
 def test_device_flags_are_checked_where_the_step_is_built(tiny_dir):
-    from beam_prefix.extract_transform import ExtractFields
-    from beam_prefix.transforms import ClassifyText
+    from beam_prefix.beam.extract_transform import ExtractFields
+    from beam_prefix.beam.classify_transform import ClassifyText
 
     for device in ("cpu", "auto", "cuda", "cuda:1"):
         check_device(device)
@@ -91,7 +91,7 @@ def test_device_flags_are_checked_where_the_step_is_built(tiny_dir):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_a_cuda_step_on_a_machine_without_one_fails_loudly(tiny_dir):
-    from beam_prefix.transforms import ClassifyText
+    from beam_prefix.beam.classify_transform import ClassifyText
 
     with pytest.raises(Exception, match="no CUDA device here"):
         with beam.Pipeline() as p:

@@ -12,10 +12,10 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from beam_prefix.extract_transform import ExtractConfig, ExtractFields, extracted_type
-from beam_prefix.extractor import Extractor
-from beam_prefix.model import load_model
-from beam_prefix.schemas import FAILED_TYPE
+from beam_prefix.beam.extract_transform import ExtractConfig, ExtractFields, extracted_type
+from beam_prefix.engines.extractor import Extractor
+from beam_prefix.model.loading import load_model
+from beam_prefix.beam.schemas import FAILED_TYPE
 
 from conftest import TEXTS, tiny_task
 from test_extraction import extract_task
@@ -122,7 +122,7 @@ def test_same_output_on_the_portable_runner(tiny_dir):
 def test_beam_batches_start_full_for_decoding(tiny_dir):
     """Extraction's Beam batches start at its decoding batch size (BatchElements would grow
     from 8): 20 rows of one bundle run as one batch, classification's as several."""
-    from beam_prefix.transforms import ClassifyText
+    from beam_prefix.beam.classify_transform import ClassifyText
 
     rows = [{"text": TEXTS[i % len(TEXTS)]} for i in range(20)]
 

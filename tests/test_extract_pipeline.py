@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from beam_prefix.extractor import Extractor
-from beam_prefix.model import load_model
+from beam_prefix.engines.extractor import Extractor
+from beam_prefix.model.loading import load_model
 from pipelines import extract
 
 from conftest import TEXTS
@@ -92,7 +92,7 @@ def test_jsonl_out_writes_dates_as_text(tiny_dir, task_file, reference, tmp_path
     (["--max_new_tokens=0"], "--max_new_tokens must be >= 1"),
 ])
 def test_refused_flags_exit_2_before_the_model_loads(tmp_path, flags, message, capsys, monkeypatch):
-    monkeypatch.setattr("beam_prefix.worker.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("beam_prefix.beam.worker.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     assert extract.main(["--runner=DirectRunner", f"--output={tmp_path}/out/x", *flags]) == 2
     assert message in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out" / "x-summary.json")

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from beam_prefix import decoding
+from beam_prefix.engines import decoding
 from beam_prefix.errors import RowError, TaskSpecError, VerificationError
-from beam_prefix.extract_task import ExtractionSpec, load_task
-from beam_prefix.extractor import Extractor
+from beam_prefix.tasks.extract_task import ExtractionSpec, load_task
+from beam_prefix.engines.extractor import Extractor
 
 from conftest import ARCHS, TEXTS, prefix_checksum, run_in_threads
 
@@ -151,7 +151,7 @@ def test_verify_fails_when_the_paths_disagree(llama_extractor, monkeypatch):
         out = real(*args, **kwargs)
         return [decoding.Decoded(d.tokens[:-1] + (d.tokens[-1] + 1,), False) for d in out]
 
-    monkeypatch.setattr("beam_prefix.extractor.decode_cached", off_by_one)
+    monkeypatch.setattr("beam_prefix.engines.extractor.decode_cached", off_by_one)
     with pytest.raises(VerificationError, match="differs from full re-encoding on 2 of 2"):
         llama_extractor.verify(TEXTS[:2])
 
@@ -176,7 +176,7 @@ def test_every_finished_output_validates(tiny_models, arch):
 
 
 def test_a_closed_output_that_fails_the_checks_is_a_problem_not_values(llama_extractor):
-    from beam_prefix.decoding import Decoded
+    from beam_prefix.engines.decoding import Decoded
 
     tokenizer = llama_extractor.tokenizer
     leap = ('{"product_area":"app","order_id":null,"seats":null,"urgent":true,"since":"2023-02-29"}')
@@ -199,7 +199,7 @@ def test_an_exception_mid_decode_leaves_nothing_behind(tiny_models, monkeypatch,
     ex = _extractor(tiny_models["llama"], batch_size=4, prefix_attention=engine)
     before = _tokens(ex.extract(TEXTS[:6]))
     checksum = prefix_checksum(ex.prefix_cache)
-    from beam_prefix.constraints import RowMatchers
+    from beam_prefix.engines.constraints import RowMatchers
 
     real, calls = RowMatchers.fill, []
 

@@ -11,8 +11,8 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.handler import PrefixCachedModelHandler
-from beam_prefix.model import load_model
+from beam_prefix.beam.handler import PrefixCachedModelHandler
+from beam_prefix.model.loading import load_model
 
 from conftest import TEXTS, run_in_threads, tiny_task
 
@@ -124,7 +124,7 @@ def test_large_model_is_shared_across_worker_processes(tiny_dir):
 
 def test_each_text_is_tokenized_once(tiny_dir, monkeypatch):
     """The preprocessing step's encoding travels with the text (a `ValidText`)."""
-    from beam_prefix.prompt import PromptLayout
+    from beam_prefix.tasks.prompt import PromptLayout
 
     expected = _labels(tiny_dir, TEXTS[:6])
     calls = []
@@ -148,7 +148,7 @@ KEYED_BAD = [("k-none", None), ("k-int", 12345), ("k-long", "word " * 400)]
 
 @pytest.mark.parametrize("exception_handling", [True, False])
 def test_keyed_handler_isolates_bad_texts(tiny_dir, exception_handling):
-    from beam_prefix.handler import KeyedPrefixCachedModelHandler
+    from beam_prefix.beam.handler import KeyedPrefixCachedModelHandler
 
     good = [(f"k{i}", t) for i, t in enumerate(TEXTS[:5])]
     expected = [(k, label) for (k, _), (_, label) in zip(good, _labels(tiny_dir, [t for _, t in good]))]

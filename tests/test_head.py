@@ -18,8 +18,8 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier, TaskSpecError
-from beam_prefix.embed_transform import EmbedText
-from beam_prefix.trained_head import TrainedHead, feature_fingerprint, text_hash
+from beam_prefix.beam.embed_transform import EmbedText
+from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
 from pipelines import classify, fit
 
 from conftest import ARCHS, SUPPORT_TASK, TEXTS, assert_same_predictions, tiny_task
@@ -123,7 +123,7 @@ def test_a_task_file_reads_its_head_relative_to_itself(tiny_models, tmp_path):
 
 
 def test_embed_text_step_on_dict_and_schemad_rows(tiny_dir):
-    from beam_prefix.model import load_model
+    from beam_prefix.model.loading import load_model
 
     clf = PrefixClassifier(task=_features_task(), loaded=load_model(tiny_dir), verify=False)
     reference = {t: e.features for t, e in zip(TEXTS[:5], clf.embed_full(TEXTS[:5], layers=(-1, 2)))}
@@ -144,7 +144,7 @@ def test_embed_text_step_on_dict_and_schemad_rows(tiny_dir):
 
 
 def _no_model(monkeypatch):
-    monkeypatch.setattr("beam_prefix.worker.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("beam_prefix.beam.worker.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
 
 
 @pytest.mark.parametrize("rows,message", [

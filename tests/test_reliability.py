@@ -32,7 +32,7 @@ def parquet_in(tmp_path):
 @pytest.fixture
 def no_model(monkeypatch):
     """Launch checks must end the run before any model loads."""
-    monkeypatch.setattr("beam_prefix.worker.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("beam_prefix.beam.worker.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
 
 
 def _launch_error(main, argv, capsys) -> str:

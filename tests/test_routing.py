@@ -12,10 +12,10 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.model import load_model
-from beam_prefix.prefix_pool import PrefixPool
-from beam_prefix.transforms import ClassifyText
-from beam_prefix.worker import ModelHolder
+from beam_prefix.model.loading import load_model
+from beam_prefix.beam.prefix_pool import PrefixPool
+from beam_prefix.beam.classify_transform import ClassifyText
+from beam_prefix.beam.worker import ModelHolder
 
 from conftest import BANKING_LABELS, TEXTS, run_in_threads, tiny_task
 
@@ -171,7 +171,7 @@ def test_routing_on_worker_processes(tiny_dir):
 
 
 def test_version_is_in_the_fingerprint_and_on_every_row(tiny_dir):
-    from beam_prefix.dofn import ClassifyConfig
+    from beam_prefix.beam.classify_dofn import ClassifyConfig
 
     loaded = load_model(tiny_dir)
     plain = TASKS["support"]

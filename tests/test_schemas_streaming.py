@@ -15,9 +15,9 @@ from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.transforms import window
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.model import load_model
-from beam_prefix.schemas import FAILED_TYPE
-from beam_prefix.transforms import ClassifyText
+from beam_prefix.model.loading import load_model
+from beam_prefix.beam.schemas import FAILED_TYPE
+from beam_prefix.beam.classify_transform import ClassifyText
 
 from conftest import TEXTS, tiny_task
 

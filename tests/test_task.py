@@ -3,7 +3,7 @@
 import pytest
 
 from beam_prefix import TaskSpec, TaskSpecError
-from beam_prefix.task import DEFAULT_CALIBRATION_TEXTS
+from beam_prefix.tasks.task import DEFAULT_CALIBRATION_TEXTS
 
 from conftest import SUPPORT_TASK
 
@@ -93,7 +93,7 @@ def test_huge_values_stay_out_of_error_messages(tmp_path):
 
 
 def test_oversized_task_file_is_refused(tmp_path):
-    from beam_prefix.task import MAX_TASK_FILE_BYTES
+    from beam_prefix.tasks.task import MAX_TASK_FILE_BYTES
 
     path = _write(tmp_path, "labels: [x, y]\ninstructions: '" + "i" * MAX_TASK_FILE_BYTES + "'\n")
     with pytest.raises(TaskSpecError, match="larger than"):
@@ -106,7 +106,7 @@ def test_oversized_task_file_is_refused(tmp_path):
     (["billing", "technical"], [{"text": "refund <|im_end|> now", "label": "billing"}]),
 ])
 def test_control_strings_in_labels_and_examples_are_refused(chat_tokenizer, labels, examples):
-    from beam_prefix.prompt import PromptLayout
+    from beam_prefix.tasks.prompt import PromptLayout
 
     task = TaskSpec.from_dict({"labels": labels, "examples": examples})
     with pytest.raises(TaskSpecError, match="control string"):

@@ -8,8 +8,8 @@ import os
 from apache_beam.yaml import main as yaml_main
 
 from beam_prefix import PrefixClassifier
-from beam_prefix.model import load_model
-from beam_prefix.task import TaskSpec
+from beam_prefix.model.loading import load_model
+from beam_prefix.tasks.task import TaskSpec
 
 from test_beam import _read_jsonl
 
@@ -42,7 +42,7 @@ def test_yaml_pipeline_classifies_and_routes_errors(tiny_dir, tmp_path):
 
 def test_yaml_extraction_pipeline_extracts_and_routes_errors(tiny_dir, tmp_path):
     from beam_prefix import load_task
-    from beam_prefix.extractor import Extractor
+    from beam_prefix.engines.extractor import Extractor
 
     from test_extraction import FIELDS
 
@@ -85,7 +85,7 @@ def test_yaml_chain_classify_then_extract_with_top_k(tiny_dir, tmp_path):
     """The shipped chain-form example: ClassifyText (top_k) then ExtractFields on its
     labelled rows, no extra arguments; each step's metadata columns are its own."""
     from beam_prefix import load_task
-    from beam_prefix.extractor import Extractor
+    from beam_prefix.engines.extractor import Extractor
 
     from test_extraction import FIELDS
 

@@ -25,9 +25,9 @@ import apache_beam as beam
 from apache_beam.transforms.window import TimestampedValue
 
 from beam_prefix.errors import RowError
-from beam_prefix.model import EMBEDDED, LoadedModel, check_device
-from beam_prefix.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB
-from beam_prefix.schemas import FAILED_TYPE, ToRow, failed_row, input_fields
+from beam_prefix.model.loading import EMBEDDED, LoadedModel, check_device
+from beam_prefix.beam.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB
+from beam_prefix.beam.schemas import FAILED_TYPE, ToRow, failed_row, input_fields
 
 __all__ = ["StepConfig", "StepResult", "Stamped", "FAILED_TAG", "METADATA_COLUMNS", "stamp", "unstamp",
            "failed_record", "as_dict", "text_of", "row_config", "batching_args", "batched_step", "as_rows",
@@ -58,7 +58,7 @@ class StepConfig:
             of them). An input column that an output column would overwrite is refused:
             here when named in `keep_columns`, per row (reason ``column_clash``) otherwise.
         max_prefix_cache_mb: the bound of this step's prefix pool in each worker
-            process (`beam_prefix.prefix_pool`).
+            process (`beam_prefix.beam.prefix_pool`).
         metadata_prefix: a prefix for this step's metadata columns (`METADATA_COLUMNS`:
             ``truncated``, ``task``, ``task_version``, ``prompt_fingerprint``, ``model``).
             None (default): no prefix, unless the input rows already carry such columns

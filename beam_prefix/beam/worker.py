@@ -3,7 +3,7 @@
 `ModelHolder` is the per-process object shared through one `apache_beam.utils.shared.Shared`
 handle: one load of each (model, dtype, device) however many steps and threads use it, and
 for each step its own pool of base engines (one per task, built and self-checked once,
-read-only; `beam_prefix.prefix_pool`), bounded by that step's `max_prefix_cache_mb`.
+read-only; `beam_prefix.beam.prefix_pool`), bounded by that step's `max_prefix_cache_mb`.
 
 `PrefixStepDoFn` is the row discipline: `setup()` forks its own engine from the pool (under
 shared-prefix attention a fork holds no state between calls; on the expanded cache it has
@@ -25,11 +25,11 @@ import apache_beam as beam
 from apache_beam.utils import shared
 
 from beam_prefix.errors import RowError
-from beam_prefix.metrics import ProgressLog, StepMetrics
-from beam_prefix.model import LoadedModel, load_model, set_torch_threads
-from beam_prefix.prefix_pool import PoolUse, PrefixPool
-from beam_prefix.step import FAILED_TAG, StepConfig, as_dict, failed_record, stamp, text_of, unstamp
-from beam_prefix.step import row_config as row_config_of
+from beam_prefix.beam.metrics import ProgressLog, StepMetrics
+from beam_prefix.model.loading import LoadedModel, load_model, set_torch_threads
+from beam_prefix.beam.prefix_pool import PoolUse, PrefixPool
+from beam_prefix.beam.step import FAILED_TAG, StepConfig, as_dict, failed_record, stamp, text_of, unstamp
+from beam_prefix.beam.step import row_config as row_config_of
 
 __all__ = ["ModelHolder", "PrefixStepDoFn"]
 

@@ -16,13 +16,13 @@ import logging
 import os
 from typing import Any, Iterable, Sequence
 
-from beam_prefix.cached_prompt import Answer
-from beam_prefix.constraints import JsonConstraint
-from beam_prefix.decoding import Decoded, decode_cached, decode_full
+from beam_prefix.tasks.cached_prompt import Answer
+from beam_prefix.engines.constraints import JsonConstraint
+from beam_prefix.engines.decoding import Decoded, decode_cached, decode_full
 from beam_prefix.errors import TaskSpecError, VerificationError
-from beam_prefix.extract_task import ExtractionSpec, load_task
-from beam_prefix.prefix_engine import VERIFY_PROBES, PrefixEngine
-from beam_prefix.prompt import EncodedText
+from beam_prefix.tasks.extract_task import ExtractionSpec, load_task
+from beam_prefix.engines.prefix_engine import VERIFY_PROBES, PrefixEngine
+from beam_prefix.tasks.prompt import EncodedText
 
 __all__ = ["Extractor", "Extraction"]
 

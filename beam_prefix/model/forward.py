@@ -26,8 +26,8 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from beam_prefix.attention import SHARED_SDPA, Packing, prefix_kwargs
-from beam_prefix.prefix_cache import PrefixCache, WorkingCache
+from beam_prefix.model.attention import SHARED_SDPA, Packing, prefix_kwargs
+from beam_prefix.model.prefix_cache import PrefixCache, WorkingCache
 
 __all__ = ["Step", "CallState", "forward", "seated"]
 

@@ -5,7 +5,7 @@ and values (``[1, kv_heads, prefix_len_l, head_dim]``; a sliding-window layer ke
 its last ``window - 1`` positions). It is never mutated after construction, so any
 number of threads may share it.
 
-Rows reach the prefix in one of two ways. Shared-prefix attention (`beam_prefix.attention`)
+Rows reach the prefix in one of two ways. Shared-prefix attention (`beam_prefix.model.attention`)
 reads these tensors directly and needs nothing else. The expanded engine, for any other
 attention implementation, uses a `WorkingCache`: the mutable part, one per caller (per
 classifier instance, per DoFn instance), a `DynamicCache` whose layers are seated on the

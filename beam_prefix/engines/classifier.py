@@ -18,14 +18,14 @@ from typing import Iterable, Sequence
 
 import torch
 
-from beam_prefix.cached_prompt import Answer
+from beam_prefix.tasks.cached_prompt import Answer
 from beam_prefix.errors import VerificationError
-from beam_prefix.label_scorers import LabelScorer, build_scorer
-from beam_prefix.labels import label_token_ids
-from beam_prefix.prefix_engine import VERIFY_PROBES, PrefixEngine
-from beam_prefix.prompt import EncodedText
-from beam_prefix.task import TaskSpec
-from beam_prefix.trained_head import feature_fingerprint
+from beam_prefix.engines.label_scorers import LabelScorer, build_scorer
+from beam_prefix.tasks.labels import label_token_ids
+from beam_prefix.engines.prefix_engine import VERIFY_PROBES, PrefixEngine
+from beam_prefix.tasks.prompt import EncodedText
+from beam_prefix.tasks.task import TaskSpec
+from beam_prefix.tasks.trained_head import feature_fingerprint
 
 __all__ = ["PrefixClassifier", "Prediction", "Embedding", "VERIFY_PROBES"]
 
@@ -42,7 +42,7 @@ class Prediction:
         scores: probability of every label (sums to 1), in task label order.
         logprobs: the same as natural logs, computed in log space (no underflow). With
             pruned label search, a label never expanded has its bound here (see
-            `beam_prefix.label_search`), not its exact log-probability; its probability
+            `beam_prefix.engines.label_search`), not its exact log-probability; its probability
             is still within the tolerance of exhaustive scoring.
         suffix_tokens: tokens computed for this row (its suffix, plus its label tokens);
             the prefix tokens were reused from the cache.
@@ -92,13 +92,13 @@ class PrefixClassifier(PrefixEngine):
 
     Args:
         task: the task.
-        loaded: model, tokenizer and model id (`beam_prefix.model.load_model`).
+        loaded: model, tokenizer and model id (`beam_prefix.model.loading.load_model`).
         batch_size: rows per forward pass in `classify`.
         max_batch_tokens: cap on rows x new tokens per forward pass (memory bound).
         verify: run `verify` on a few probe texts now (cached vs full re-encoding).
         atol: tolerance on probabilities for `verify` (default 1e-4 in fp32, 2e-2 otherwise).
         prefix_attention: how rows attend to the cached prefix. ``"shared"``: the prefix
-            stays at batch 1 and attention is split prefix/new (`beam_prefix.attention`;
+            stays at batch 1 and attention is split prefix/new (`beam_prefix.model.attention`;
             switches an sdpa model to its sdpa-equivalent ``beam_prefix_sdpa``).
             ``"expanded"``: a per-instance `DynamicCache` seated on the batch-expanded
             prefix and cropped back after every batch (any attention implementation).
@@ -107,7 +107,7 @@ class PrefixClassifier(PrefixEngine):
             ``"exhaustive"`` or ``"auto"`` (pruned under shared-prefix attention; default:
             the task's `label_search`, itself ``auto`` by default). Pruned search is exact to
             `label_tolerance`: a label it never expands gets its probability from the bound
-            (see `beam_prefix.label_search`); every probability is within the tolerance
+            (see `beam_prefix.engines.label_search`); every probability is within the tolerance
             of exhaustive scoring.
         label_tolerance: pruned search's stopping tolerance (default: the task's).
         check_layers: the start-up self-check compares the features at these layers

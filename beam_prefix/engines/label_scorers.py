@@ -11,9 +11,9 @@ classifier by `build_scorer` from the task (`SCORERS` is the registry):
   label trie run in the same pass as the suffix (each trie token attends to the prefix,
   the row's suffix and its own ancestors: tree attention through a 4-D mask);
 * `PrunedTrieScorer` (``pruned``): the same scores to `label_tolerance`, expanding the
-  trie best-first (`beam_prefix.label_search`);
+  trie best-first (`beam_prefix.engines.label_search`);
 * `HeadScorer` (``head``): no label tokens at all: a trained linear head
-  (`beam_prefix.trained_head`) on the row's hidden state(s) at its last position.
+  (`beam_prefix.tasks.trained_head`) on the row's hidden state(s) at its last position.
 
 Every scorer also hands back each row's *features*, the hidden state(s) at its last suffix
 position that the suffix pass computed anyway (the final normalised state; a head's own
@@ -34,11 +34,11 @@ from typing import ClassVar, NamedTuple, Sequence
 
 import torch
 
-from beam_prefix.engine import CallState, Step, forward, seated
-from beam_prefix.label_search import Search, node_step
-from beam_prefix.labels import LabelTrie
-from beam_prefix.output_head import OutputHead
-from beam_prefix.prefix_cache import PrefixCache, WorkingCache, new_cache
+from beam_prefix.model.forward import CallState, Step, forward, seated
+from beam_prefix.engines.label_search import Search, node_step
+from beam_prefix.tasks.labels import LabelTrie
+from beam_prefix.model.output_head import OutputHead
+from beam_prefix.model.prefix_cache import PrefixCache, WorkingCache, new_cache
 
 __all__ = ["LabelScorer", "Scored", "FirstTokenScorer", "TrieScorer", "PrunedTrieScorer", "HeadScorer", "SCORERS",
            "register", "scorer_name", "build_scorer"]
@@ -206,7 +206,7 @@ class TrieScorer(LabelScorer):
 @register
 class PrunedTrieScorer(TrieScorer):
     """The trie's scores to `label_tolerance`, expanded best-first in rounds batched
-    across the rows (`beam_prefix.label_search`); exact for every label it resolves."""
+    across the rows (`beam_prefix.engines.label_search`); exact for every label it resolves."""
 
     name = "pruned"
     search = "pruned"

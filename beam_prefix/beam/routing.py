@@ -37,10 +37,10 @@ from apache_beam.metrics import Metrics
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, CombiningValueStateSpec, TimerSpec, on_timer
 
-from beam_prefix.dofn import ClassifyConfig, PrefixCachedClassifyDoFn
-from beam_prefix.metrics import NAMESPACE
-from beam_prefix.step import FAILED_TAG, as_dict, failed_record, stamp, unstamp
-from beam_prefix.task import TaskSpec
+from beam_prefix.beam.classify_dofn import ClassifyConfig, PrefixCachedClassifyDoFn
+from beam_prefix.beam.metrics import NAMESPACE
+from beam_prefix.beam.step import FAILED_TAG, as_dict, failed_record, stamp, unstamp
+from beam_prefix.tasks.task import TaskSpec
 
 __all__ = ["load_tasks", "TaskRoutes", "KeyByTask", "BatchPerTask", "RoutedClassifyDoFn", "MAX_TASK_METRICS",
            "TASK_SHARDS"]

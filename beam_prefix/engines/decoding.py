@@ -21,10 +21,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from beam_prefix.constraints import RowMatchers
-from beam_prefix.engine import CallState, Step, forward, seated
-from beam_prefix.output_head import OutputHead
-from beam_prefix.prefix_cache import PrefixCache, WorkingCache, new_cache
+from beam_prefix.engines.constraints import RowMatchers
+from beam_prefix.model.forward import CallState, Step, forward, seated
+from beam_prefix.model.output_head import OutputHead
+from beam_prefix.model.prefix_cache import PrefixCache, WorkingCache, new_cache
 
 __all__ = ["Decoded", "decode_cached", "decode_full"]
 

@@ -3,7 +3,7 @@
 An `ExtractionSpec` asks the model for one JSON object per row with exactly the task's
 fields, in their order. Like `TaskSpec` it is pure configuration, validated at
 construction with a `TaskSpecError` that names the field; `json_schema()` is the schema
-that constrained decoding enforces (`beam_prefix.constraints`), so every output parses
+that constrained decoding enforces (`beam_prefix.engines.constraints`), so every output parses
 and every enum is one of its values.
 
 Task file format (``kind: extract``; a file without ``kind`` is a classification task)::
@@ -44,8 +44,8 @@ import re
 from typing import Any, Mapping
 
 from beam_prefix.errors import TaskSpecError
-from beam_prefix.task import PromptTask, TaskSpec, _as_sequence, _short, validate_common
-from beam_prefix.task_file import read_task_file
+from beam_prefix.tasks.task import PromptTask, TaskSpec, _as_sequence, _short, validate_common
+from beam_prefix.tasks.task_file import read_task_file
 
 __all__ = ["Field", "ExtractExample", "ExtractionSpec", "FIELD_TYPES", "load_task"]
 

@@ -18,11 +18,11 @@ import dataclasses
 import time
 from typing import Iterator, Sequence
 
-from beam_prefix.attention import enable_shared_prefix
+from beam_prefix.model.attention import enable_shared_prefix
 from beam_prefix.errors import ContextLengthError
-from beam_prefix.model import LoadedModel
-from beam_prefix.prefix_cache import PrefixCache, WorkingCache
-from beam_prefix.prompt import PromptLayout
+from beam_prefix.model.loading import LoadedModel
+from beam_prefix.model.prefix_cache import PrefixCache, WorkingCache
+from beam_prefix.tasks.prompt import PromptLayout
 
 __all__ = ["CachedPrompt", "Answer", "PREFIX_ATTENTIONS", "length_batches", "check_context"]
 

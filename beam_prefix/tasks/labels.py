@@ -4,7 +4,7 @@
 answer format) and checks that it tokenizes the same after every probe text: a label
 that merges with the end of the prompt would be scored on tokens a full re-encoding would
 not produce. `LabelTrie` holds the labels' token sequences as a trie, the shape sequence
-scoring runs (`beam_prefix.label_scorers`).
+scoring runs (`beam_prefix.engines.label_scorers`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from beam_prefix.errors import BoundaryError
-from beam_prefix.prompt import PROBE_TEXTS, PromptLayout
+from beam_prefix.tasks.prompt import PROBE_TEXTS, PromptLayout
 
 __all__ = ["label_token_ids", "LabelTrie"]
 

@@ -16,7 +16,7 @@ import dataclasses
 import threading
 from typing import Callable
 
-from beam_prefix.prefix_engine import PrefixEngine
+from beam_prefix.engines.prefix_engine import PrefixEngine
 
 __all__ = ["PrefixPool", "PoolUse", "DEFAULT_MAX_PREFIX_CACHE_MB"]
 

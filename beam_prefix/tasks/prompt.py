@@ -8,10 +8,10 @@ row text, and cuts it into:
 * a per-row suffix: the rest of the row's text span, the text, and the static tail
   (e.g. ``<|im_end|>\\n<|im_start|>assistant\\n``);
 * the answer format after it (`label_lead`, `terminator`), from which classification
-  derives each label's tokens (`beam_prefix.labels`).
+  derives each label's tokens (`beam_prefix.tasks.labels`).
 
 The layout knows no kind of task: a `task.PromptTask` answers what it asks (system text,
-example turns, static strings); the text itself is written by `beam_prefix.prompt_render`.
+example turns, static strings); the text itself is written by `beam_prefix.tasks.prompt_render`.
 
 The *natural* encoding of a prompt, the reference the cache must reproduce, splits only
 at added (special) tokens, as a tokenizer does with the whole prompt string, except that
@@ -36,9 +36,9 @@ import weakref
 from typing import Sequence
 
 from beam_prefix.errors import BoundaryError, RowError, TaskSpecError, TextTooLongError
-from beam_prefix.prompt_render import (added_token_strings, chat_terminator, first_special_start,
+from beam_prefix.tasks.prompt_render import (added_token_strings, chat_terminator, first_special_start,
                                       last_special_end, render_chat, render_plain)
-from beam_prefix.task import PromptTask
+from beam_prefix.tasks.task import PromptTask
 
 __all__ = ["PromptLayout", "EncodedText", "PROBE_TEXTS"]
 

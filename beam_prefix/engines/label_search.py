@@ -43,9 +43,9 @@ import math
 
 import torch
 
-from beam_prefix.engine import CallState, Step
-from beam_prefix.labels import LabelTrie
-from beam_prefix.output_head import OutputHead
+from beam_prefix.model.forward import CallState, Step
+from beam_prefix.tasks.labels import LabelTrie
+from beam_prefix.model.output_head import OutputHead
 
 __all__ = ["Search", "node_step", "DEFAULT_TOLERANCE"]
 

@@ -26,10 +26,10 @@ from typing import Callable, ClassVar, Sequence
 
 import torch
 
-from beam_prefix.cached_prompt import Answer, CachedPrompt, check_context, length_batches
-from beam_prefix.output_head import OutputHead
-from beam_prefix.model import EMBEDDED, LoadedModel, load_config, load_model, load_tokenizer, model_id
-from beam_prefix.prompt import EncodedText, PromptLayout
+from beam_prefix.tasks.cached_prompt import Answer, CachedPrompt, check_context, length_batches
+from beam_prefix.model.output_head import OutputHead
+from beam_prefix.model.loading import EMBEDDED, LoadedModel, load_config, load_model, load_tokenizer, model_id
+from beam_prefix.tasks.prompt import EncodedText, PromptLayout
 
 __all__ = ["PrefixEngine", "VERIFY_PROBES"]
 
@@ -46,7 +46,7 @@ class PrefixEngine:
 
     Args:
         task: the task (of the kind's `task_type`).
-        loaded: model, tokenizer and model id (`beam_prefix.model.load_model`).
+        loaded: model, tokenizer and model id (`beam_prefix.model.loading.load_model`).
         batch_size: rows per forward pass (decoding: rows decoded together).
         max_batch_tokens: cap on rows x (suffix + answer) tokens per batch (memory bound).
         verify: run `verify` on `VERIFY_PROBES` now (cached vs full re-encoding).

@@ -57,7 +57,7 @@ COUNTERS = {
     "suffix_tokens_computed": "suffix_tokens_computed",  # every token run per row: the suffix and its label tokens
     "label_tokens_computed": "label_tokens_computed",  # of those, label-trie tokens (what pruned search saves)
     "model_retries": "batches_retried_row_by_row",
-    # routed steps (beam_prefix.routing): the worker's prefix pool, per batch
+    # routed steps (beam_prefix.beam.routing): the worker's prefix pool, per batch
     "prefix_builds": "prefix_builds",
     "prefix_hits": "prefix_hits",
     "prefix_evictions": "prefix_evictions",

@@ -1,0 +1,191 @@
+"""`PrefixCachedModelHandler`: the same cached scoring behind Beam's `RunInference`.
+
+    from apache_beam.ml.inference.base import RunInference
+    texts | RunInference(PrefixCachedModelHandler(task=task, model="embedded"))
+
+`load_model` loads the model and builds the prefix cache; RunInference shares the result
+between the threads of a worker (or, with ``large_model=True`` / ``model_copies``, between
+its processes through `MultiProcessShared`). The loaded object is a `ServedClassifier`:
+`classify` may be called from many threads at once, each classifying through its own fork
+(shared weights and prefix; with the expanded engine its own working cache), and it
+pickles nothing but texts and predictions when it lives in another process.
+
+Bad texts fail alone: the handler's preprocessing step validates and encodes each text
+(its own tokenizer, no model), so under ``RunInference(...).with_exception_handling()`` a
+``None`` or an over-budget text goes to ``failed_preprocessing`` with its `RowError` and
+never fails the good texts batched with it. A valid text travels on as a `ValidText`
+carrying its encoding, so it is tokenized once; results carry the text itself.
+
+Keyed examples: Beam's ``KeyedModelHandler`` refuses a handler that has a preprocessing
+step (its pre/postprocessing must be on the outer handler), so keyed use has its own
+handler, `KeyedPrefixCachedModelHandler`: ``(key, text)`` in, ``(key, PredictionResult)``
+out, each bad text failing alone in the same way. Beam's own wrapper works on a handler
+built with ``validate_texts=False`` (each text is then validated in the batch: a bad
+one fails its batch, as a model error would).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from typing import Any, Iterable, Optional, Sequence
+
+from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult
+
+from beam_prefix.engines.classifier import PrefixClassifier
+from beam_prefix.model.loading import EMBEDDED, check_device, load_tokenizer
+from beam_prefix.tasks.prompt import EncodedText, PromptLayout
+from beam_prefix.tasks.task import TaskSpec
+
+__all__ = ["PrefixCachedModelHandler", "KeyedPrefixCachedModelHandler", "ServedClassifier", "TextValidator",
+           "ValidText"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidText:
+    """A text that passed validation, with its encoding and the ``(model, task)`` it was
+    encoded for (after a model update, `run_inference` encodes it again)."""
+
+    text: str
+    encoded: EncodedText
+    key: str
+
+
+def _key(model: str, task: TaskSpec) -> str:
+    return hashlib.sha256(f"{model}|{task!r}".encode("utf-8")).hexdigest()[:16]
+
+
+class ServedClassifier:
+    """What `PrefixCachedModelHandler.load_model` returns: one base classifier, classified
+    through per-thread forks. Only methods cross a process boundary (a proxy exposes no
+    attributes), so the model id is a method too."""
+
+    def __init__(self, classifier: PrefixClassifier, key: str = ""):
+        self.classifier = classifier
+        self._key = key  # the (model, task) whose encodings `ValidText`s may carry here
+        self._local = threading.local()
+
+    def _fork(self) -> PrefixClassifier:
+        fork = getattr(self._local, "fork", None)
+        if fork is None:
+            fork = self._local.fork = self.classifier.fork()
+        return fork
+
+    def classify(self, texts: Sequence):
+        """Texts (or `ValidText`s) in order; a `ValidText` encoded for this model and task is
+        not tokenized again."""
+        fork = self._fork()
+        encoded = [(t.encoded if t.key == self._key else fork.encode(t.text)) if isinstance(t, ValidText)
+                   else fork.encode(t) for t in texts]
+        return fork.classify_encoded(encoded)
+
+    def model_id(self) -> str:
+        return self.classifier.model_id
+
+
+# per process: the prompt layout each (task, model) validates texts with
+_LAYOUTS: dict[tuple[str, str], PromptLayout] = {}
+_LAYOUTS_LOCK = threading.Lock()
+
+
+class TextValidator:
+    """A preprocessing function: returns the text as a `ValidText` (its encoding attached),
+    or raises the `RowError` (with its reason) that the classifier would raise for it.
+    Loads only the tokenizer, once per process. `keyed`: examples are ``(key, text)``."""
+
+    def __init__(self, task: TaskSpec, model: str, *, keyed: bool = False):
+        self.task, self.model, self.keyed = task, model, keyed
+
+    def _layout(self) -> PromptLayout:
+        key = (self.model, repr(self.task))
+        with _LAYOUTS_LOCK:
+            layout = _LAYOUTS.get(key)
+            if layout is None:
+                layout = _LAYOUTS[key] = PromptLayout.build(self.task, load_tokenizer(self.model))
+        return layout
+
+    def __call__(self, example):
+        if self.keyed:
+            key, text = example
+            return key, self._valid(text)
+        return self._valid(example)
+
+    def _valid(self, text) -> ValidText:
+        return ValidText(text, self._layout().encode(text), _key(self.model, self.task))
+
+
+class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassifier]):
+    """A `ModelHandler` over `PrefixClassifier`; examples are texts, inferences `Prediction`s.
+
+    Args:
+        task: a `TaskSpec` or a task YAML path (read at construction).
+        model: model spec (default: the task's, else ``embedded``); RunInference's model
+            updates (`update_model_path`) replace it.
+        dtype, threads, device: as for `PrefixClassifier.load` (``device``: ``cpu``,
+            ``cuda``, ``cuda:N`` or ``auto``).
+        batch_size: rows per forward pass; also the default `max_batch_size`.
+        verify: cached-vs-full self-check at load.
+        validate_texts: validate each text in a preprocessing step (see the module doc).
+        min_batch_size, max_batch_size, max_batch_duration_secs, max_batch_weight,
+        element_size_fn, large_model, model_copies, env_vars: Beam's `ModelHandler` arguments.
+    """
+
+    def __init__(self, *, task: TaskSpec | str, model: str | None = None, dtype: str = "float32",
+                 threads: int | None = None, device: str = "cpu", batch_size: int = 16, verify: bool = True,
+                 validate_texts: bool = True, min_batch_size: int = 1, max_batch_size: int | None = None,
+                 **kwargs):
+        super().__init__(min_batch_size=min_batch_size, max_batch_size=max_batch_size or batch_size, **kwargs)
+        self._task = task if isinstance(task, TaskSpec) else TaskSpec.from_yaml(task)
+        self._model = model or self._task.model or EMBEDDED
+        check_device(device, dtype)
+        self._dtype, self._threads, self._verify, self._device = dtype, threads, verify, device
+        self._batch_size = batch_size
+        self._validate_texts = validate_texts
+
+    def load_model(self) -> ServedClassifier:
+        return ServedClassifier(PrefixClassifier.load(
+            self._task, self._model, dtype=self._dtype, threads=self._threads, device=self._device,
+            batch_size=self._batch_size, verify=self._verify), key=_key(self._model, self._task))
+
+    def update_model_path(self, model_path: Optional[str] = None):
+        """Use `model_path` from the next `load_model` on (RunInference's model updates); the
+        load that follows fails loudly (`ModelLoadError`) when the path is not a model."""
+        if model_path:
+            self._model = model_path
+
+    def validate_inference_args(self, inference_args: Optional[dict[str, Any]]):
+        if inference_args:
+            raise ValueError(f"PrefixCachedModelHandler takes no inference_args (got {sorted(inference_args)}); "
+                             f"task settings go in the task file or the constructor")
+
+    def get_preprocess_fns(self) -> Iterable:
+        return [TextValidator(self._task, self._model)] if self._validate_texts else []
+
+    def run_inference(self, batch: Sequence[str], model: ServedClassifier,
+                      inference_args: Optional[dict[str, Any]] = None) -> Iterable[PredictionResult]:
+        self.validate_inference_args(inference_args)
+        predictions = model.classify(list(batch))
+        model_id = model.model_id()
+        return [PredictionResult(example.text if isinstance(example, ValidText) else example, pred, model_id=model_id)
+                for example, pred in zip(batch, predictions)]
+
+    def get_metrics_namespace(self) -> str:
+        return "beam_prefix"
+
+
+class KeyedPrefixCachedModelHandler(KeyedModelHandler):
+    """`PrefixCachedModelHandler` for keyed examples: ``(key, text)`` in, ``(key,
+    PredictionResult)`` out. Takes the same arguments; with ``validate_texts`` (default)
+    each text is validated and encoded in this handler's own preprocessing step, so under
+    ``with_exception_handling()`` a bad one lands alone in ``failed_preprocessing`` (Beam's
+    ``KeyedModelHandler`` cannot wrap a handler that has such a step)."""
+
+    def __init__(self, *, validate_texts: bool = True, **kwargs):
+        self._inner = PrefixCachedModelHandler(validate_texts=False, **kwargs)
+        super().__init__(self._inner)
+        self._validate_texts = validate_texts
+
+    def get_preprocess_fns(self) -> Iterable:
+        own = [TextValidator(self._inner._task, self._inner._model, keyed=True)] if self._validate_texts else []
+        return own + list(super().get_preprocess_fns())

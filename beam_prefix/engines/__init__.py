@@ -1,0 +1,14 @@
+"""The engine floor: answering rows over a cached prompt.
+
+`prefix_engine` holds the lifecycle every engine shares (load, prompt build, the start-up
+self-check, per-thread forks, the batch loop); `classifier` classifies with one of the
+`label_scorers` (first token, label trie, pruned trie search in `label_search`, a trained
+head); `extractor` extracts fields by greedy `decoding` constrained to the task's JSON
+schema (`constraints`). Imports the task and model floors only; knows nothing of Beam.
+"""
+
+from beam_prefix.engines.classifier import Embedding, Prediction, PrefixClassifier
+from beam_prefix.engines.extractor import Extraction, Extractor
+from beam_prefix.engines.prefix_engine import PrefixEngine
+
+__all__ = ["PrefixEngine", "PrefixClassifier", "Prediction", "Embedding", "Extractor", "Extraction"]
