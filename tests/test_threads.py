@@ -33,3 +33,48 @@ def test_concurrent_classify_matches_single_thread(tiny_models, share_instance, 
             assert_same_predictions([got[t] for t in TEXTS], expected, atol=1e-5)
     assert all(w.cache_length() == clf.prefix_length for w in workers)
     assert prefix_checksum(clf.prefix_cache) == checksum
+
+
+def test_loads_in_threads_at_once_run_one_at_a_time_and_leave_loading_working(tiny_dir, tmp_path, monkeypatch):
+    """transformers patches torch's init functions process-wide while it builds a model: two
+    loads at once failed both ('Cannot copy out of meta tensor') and every later one
+    (reproduced with the embedded model, four threads). Loads now run one at a time; a
+    failed one among them leaves nothing behind."""
+    import threading
+    import time
+
+    from beam_prefix import ModelLoadError
+    from beam_prefix.model import loading
+
+    active, most = [0], [0]
+    real = loading._from_directory
+
+    def watched(*args, **kwargs):  # how many loads are inside transformers at once
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        try:
+            time.sleep(0.2)  # wide enough for the others to arrive
+            return real(*args, **kwargs)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(loading, "_from_directory", watched)
+    tasks = [tiny_task(labels) for labels in (("billing", "technical", "account"), ("yes", "no"),
+                                               ("spam", "ham", "unsure"), ("red", "green", "blue", "other"))]
+    barrier = threading.Barrier(len(tasks) + 1)
+
+    def load(i):
+        barrier.wait()  # all start loading at the same moment
+        if i == len(tasks):
+            with pytest.raises(ModelLoadError):
+                PrefixClassifier.load(tasks[0], model=str(tmp_path / "no-such-model"), verify=False)
+            return None
+        return PrefixClassifier.load(tasks[i], model=tiny_dir, verify=False)
+
+    loaded = run_in_threads(load, len(tasks) + 1)[:-1]
+    assert most[0] == 1
+    for task, clf in zip(tasks, loaded):
+        assert clf.task.label_names == task.label_names
+        assert not any(p.is_meta for p in clf.model.parameters())
+    again = PrefixClassifier.load(tasks[0], model=tiny_dir, verify=True)  # the process still loads
+    assert_same_predictions(again.classify(TEXTS[:4]), loaded[0].classify(TEXTS[:4]), atol=1e-5)

