@@ -12,6 +12,7 @@ __all__ = [
     "ContextLengthError",
     "RowError",
     "TextTooLongError",
+    "NonFiniteScoreError",
     "VerificationError",
 ]
 
@@ -49,6 +50,13 @@ class TextTooLongError(RowError):
 
     def __init__(self, message: str):
         super().__init__(message, reason="too_long")
+
+
+class NonFiniteScoreError(RowError):
+    """The model or head gave a row a score that is not a number (NaN or infinite)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, reason="non_finite_score")
 
 
 class VerificationError(BeamPrefixError, AssertionError):

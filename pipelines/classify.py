@@ -49,9 +49,12 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
     require_columns(options, schema, {"--eval_label_column": [gold], "--task_column": [c.task_column]})
     # labelled rows carry only what the output keeps (and the stashed gold label): an input
     # column named like an output column (a gold `label`) is dropped, not overwritten
-    task = classify_transform(options).config.task
-    head = task.head if gold and c.task_dir is None else None  # (routed: each task its own; not separated)
-    stashed = ([GOLD_KEY] if gold else []) + ([FIT_KEY] if head is not None else [])
+    probe = classify_transform(options)
+    # rows a task's head was fit on are left out of the accuracy (routed: each row's own task's head)
+    heads = ({None: probe.config.task.head} if probe.routes is None else
+             {key: config.task.head for key, config in probe.routes.configs})
+    heads = {k: h for k, h in heads.items() if h is not None} if gold else {}
+    stashed = ([GOLD_KEY] if gold else []) + ([FIT_KEY] if heads else [])
     classify = classify_transform(options, keep_columns=[f.name for f in kept] + stashed)
     task = classify.config.task
     routes = classify.routes
@@ -65,7 +68,8 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
     launch.read_run_write(p, options, classify, step_name="ClassifyText", main="labeled", kept=kept,
                           out_schema=out_schema, typed=schema is not None, on_row=LabelCounter(gold),
                           to=(labeled_to, failed_to), staging=staging, label="Labeled",
-                          before=(lambda rows: stash_gold(rows, gold, head=head, text_column=o.text_column))
+                          before=(lambda rows: stash_gold(rows, gold, heads=heads, text_column=o.text_column,
+                                                          task_column=c.task_column if routes else None))
                           if gold else None)
 
     _LOGGER.info("input: %s; task %s (%d labels); model %s; labelled rows -> %s; failed rows -> %s",
@@ -74,7 +78,7 @@ def _build(p, options, labeled_to: Destination, failed_to: Destination, staging:
     return Plan(task=task_name, model=classify.config.model, labels=labels,
                 outputs={"labeled": labeled_to.describe(), "failed": failed_to.describe()},
                 summary_path=summary_path, eval_label_column=gold, staging=staging,
-                head=None if head is None else (head.source or head.identity))
+                head=", ".join(sorted({h.source or h.identity for h in heads.values()})) or None)
 
 
 def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = None, *,

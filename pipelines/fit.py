@@ -8,7 +8,8 @@
 The rows are read with the same flags and IO layer as the other pipelines; each row's
 features (`beam_prefix.beam.embed_transform.EmbedText`: the hidden state(s) at its last prompt
 position, the same batched cached engine) are computed by a Beam pipeline and staged
-beside the output; then, in this process, a multinomial logistic regression is fit on
+beside the output, on its file system (`pipelines.fit_io`: local, gs:// or any Beam
+FileSystem); then, in this process, a multinomial logistic regression is fit on
 them (scikit-learn's `LogisticRegressionCV`: the regularisation chosen by stratified
 k-fold cross-validation on standardised features) and written as a head file
 (`beam_prefix.tasks.trained_head`) with the fold accuracy and per-label F1. The label column is
@@ -24,9 +25,7 @@ import collections
 import glob
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import apache_beam as beam
@@ -40,8 +39,11 @@ from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.task_file import read_task_file
 from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
+from pipelines.fit_io import FeatureStaging, write_head
 from pipelines.launch import explain
-from pipelines.options import StepOptions, task_path
+from pipelines.options import StepOptions, join_negative_lists, refuse_unknown_flags, task_path
+from pipelines.publish import Output
+from pipelines.reads import input_reads, refuse_overlap, task_reads
 from pipelines.sources import input_format, read_rows, require_columns, input_schema
 
 __all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
@@ -72,6 +74,8 @@ def _layers(text: str) -> tuple[int, ...]:
         raise ValueError(f"--layers={text!r}: expected comma-separated integers, e.g. -1 or -1,20") from None
     if not layers:
         raise ValueError("--layers needs at least one index")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"--layers={text!r}: each layer once (the features would repeat)")
     return layers
 
 
@@ -126,8 +130,8 @@ def _labels_at_launch(options: PipelineOptions, column: str):
                     if line.strip():
                         try:
                             values.append(json.loads(line).get(column))
-                        except (ValueError, AttributeError):
-                            continue  # fails as a row
+                        except (ValueError, AttributeError, RecursionError):
+                            continue  # fails as a row (as in classify)
     return values
 
 
@@ -186,17 +190,23 @@ class _Shape(beam.DoFn):
 
 def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = None) -> dict:
     """Compute the features (a Beam pipeline), fit the head, write it; returns a summary."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = join_negative_lists(list(sys.argv[1:] if argv is None else argv), ("--layers",))
+    refuse_unknown_flags(argv, (StepOptions, FitOptions), "python -m pipelines.fit")
     options = PipelineOptions(argv)
     o, f = options.view_as(StepOptions), options.view_as(FitOptions)
     if not o.output or not f.label_column:
         raise ValueError("pipelines.fit needs --output (the head file to write) and --label_column")
-    if o.output.endswith("/") or os.path.isdir(o.output):
+    if o.output.endswith("/") or ("://" not in o.output and os.path.isdir(o.output)):
         raise ValueError(f"--output={o.output!r} is a directory; give the head file's path, e.g. support.head")
     if f.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {f.folds}")
     layers = _layers(f.layers)
-    task = _task_without_head(task_path(o.task or "support_tickets"))
+    task_file = task_path(o.task or "support_tickets")
+    # the head this run writes may replace the one the task names (not read here), never
+    # the input or the task file
+    refuse_overlap([Output("--output", o.output)],
+                   input_reads(options) + task_reads(task_file, with_head=False))
+    task = _task_without_head(task_file)
     if o.bigquery_endpoint:
         bigquery_endpoint.install(bigquery_endpoint.Endpoint(rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
                                                              project=None))
@@ -210,25 +220,24 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
                       min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size, verify=o.verify == "true",
                       keep_columns=[o.text_column, f.label_column], device=o.device)
     embed.config.check_fits()
-    staging = tempfile.mkdtemp(prefix=".beam-prefix-fit-", dir=os.path.dirname(os.path.abspath(o.output)) or ".")
+    staging = FeatureStaging(o.output)  # on the head's own file system: workers anywhere can deliver
+    staging.prepare()
     try:
         p = test_pipeline or beam.Pipeline(options=options)
         rows, unparseable = read_rows(p, options)
         result = rows | "EmbedText" >> embed
         _ = (result.embedded | "Shape" >> beam.ParDo(_Shape(o.text_column, f.label_column))
              | "WriteFeatures" >> beam.io.WriteToParquet(
-                 os.path.join(staging, "features"), pa.schema([("label", pa.string()), ("hash", pa.int64()),
-                                                               ("prompt", pa.string()),
-                                                               (FEATURES_COLUMN, pa.list_(pa.float32()))]),
+                 staging.features, pa.schema([("label", pa.string()), ("hash", pa.int64()), ("prompt", pa.string()),
+                                              (FEATURES_COLUMN, pa.list_(pa.float32()))]),
                  file_name_suffix=".parquet"))
         failed = ((unparseable, result.failed) | "AllFailed" >> beam.Flatten()
                   | "Count" >> beam.combiners.Count.Globally())
-        _ = failed | "WriteFailedCount" >> beam.io.WriteToText(os.path.join(staging, "failed"))
+        _ = failed | "WriteFailedCount" >> beam.io.WriteToText(staging.failed)
         start = time.perf_counter()
         p.run().wait_until_finish()
         features_s = time.perf_counter() - start
-        table = pa.concat_tables([pq.read_table(path) for path in sorted(glob.glob(os.path.join(staging, "features*")))])
-        n_failed = sum(int(open(path).read().strip() or 0) for path in glob.glob(os.path.join(staging, "failed*")))
+        table, n_failed = staging.read()
         labels = table.column("label").to_pylist()
         check_labels(task, labels)  # again: what the run actually read (BigQuery, remote files, failed rows)
         features = np.asarray(table.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32)
@@ -239,11 +248,8 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         head = fit_head(features, labels, table.column("hash").to_pylist(), task, layers=layers,
                         fingerprint=fingerprint, folds=f.folds)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    tmp = o.output + ".tmp"
-    head.save(tmp)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, o.output)  # all or nothing
+        staging.delete()
+    write_head(head, o.output)  # all or nothing
     summary = {"head": o.output, "task": task.name, "rows_used": len(labels), "rows_failed": n_failed,
                "features": int(features.shape[1]), "layers": list(layers), "features_s": round(features_s, 2),
                **{k: v for k, v in head.metrics.items() if k != "per_label_f1"},
@@ -278,12 +284,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _format(s: dict) -> str:
-    acc = "n/a" if s.get("kfold_accuracy") is None else f"{s['kfold_accuracy']:.1%}"
     lines = [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']})",
              f"rows: {s['rows_used']} used, {s['rows_failed']} failed",
-             f"features: {s['features_s']:.1f} s; fit: {s['fit_s']:.1f} s",
-             f"{s.get('folds', 0)}-fold accuracy {acc} at C={s.get('C')}",
-             "lowest per-label F1: " + ", ".join(f"{n} {v:.2f}" for n, v in s["worst_label_f1"])]
+             f"features: {s['features_s']:.1f} s; fit: {s['fit_s']:.1f} s"]
+    if s.get("kfold_accuracy") is None:  # a label with one row: nothing to hold out
+        lines.append(f"no cross-validation ({s.get('note', 'too few rows per label')}); C={s.get('C')}")
+    else:
+        lines.append(f"{s['folds']}-fold accuracy {s['kfold_accuracy']:.1%} at C={s.get('C')}")
+        lines.append("lowest per-label F1: " + ", ".join(f"{n} {v:.2f}" for n, v in s["worst_label_f1"]))
     return "\n".join(lines)
 
 

@@ -23,14 +23,15 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 from beam_prefix.beam.classify_dofn import FAILED_TAG
 from beam_prefix.errors import ModelLoadError
 from pipelines import bigquery_endpoint
-from pipelines.options import ClassifyOptions, StepOptions, validate
-from pipelines.publish import Output, Staging
+from pipelines.options import DEFAULT_TASKS, ClassifyOptions, StepOptions, refuse_unknown_flags, task_path, validate
+from pipelines.publish import Output, OutputLocationError, Staging
+from pipelines.reads import Read, input_reads, refuse_overlap, task_reads
 from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
 from pipelines.sources import read_rows
 from pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
                                write_json)
 
-__all__ = ["Plan", "build", "read_run_write", "run", "main", "explain", "RunFailed"]
+__all__ = ["Plan", "build", "run_reads", "read_run_write", "run", "main", "explain", "RunFailed"]
 
 _LOGGER = logging.getLogger("pipelines")
 
@@ -105,12 +106,31 @@ def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, defau
     labeled_to, failed_to = destinations(options, default_output=default_output, failed_name=failed_name)
     staging, summary_path = _stage(options, labeled_to, failed_to, confusion=kind == "classify")
     staging.check()  # two outputs whose files collide would silently replace or mix rows
+    refuse_overlap(staging.outputs, run_reads(options, kind))  # nor may one replace what the run reads
+    _refuse_table_overlap(options)
     staging.preflight()  # before anything loads: an unwritable output fails in one line
     try:
         return compose(p, options, labeled_to, failed_to, staging, summary_path)
     except BaseException:
         staging.discard()
         raise
+
+
+def run_reads(options: PipelineOptions, kind: str) -> list[Read]:
+    """Every file a classify or extract run reads: its input, its task file(s) and heads."""
+    o, c = options.view_as(StepOptions), options.view_as(ClassifyOptions)
+    reads = input_reads(options)
+    if kind == "classify" and c.task_dir:
+        return reads + task_reads(None, task_dir=c.task_dir)
+    return reads + task_reads(task_path(o.task or DEFAULT_TASKS[kind]))
+
+
+def _refuse_table_overlap(options: PipelineOptions) -> None:
+    o = options.view_as(StepOptions)
+    for flag in ("output_table", "failed_output_table"):
+        if o.input_table and getattr(o, flag) and getattr(o, flag) == o.input_table:
+            raise OutputLocationError(f"--{flag}={o.input_table} is the --input_table this run reads; a run never "
+                                      f"writes what it reads: choose another table")
 
 
 def read_run_write(p, options: PipelineOptions, step, *, step_name: str, main: str, kept, out_schema, typed: bool,
@@ -141,7 +161,8 @@ def read_run_write(p, options: PipelineOptions, step, *, step_name: str, main: s
 
 
 def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose: Compose, default_output: str,
-        failed_name: str = "failed", validate_more=None, on_plan=None, kind: str = "classify") -> dict:
+        failed_name: str = "failed", validate_more=None, on_plan=None, kind: str = "classify",
+        flag_classes: tuple[type, ...] = (StepOptions, ClassifyOptions)) -> dict:
     """Build and run the pipeline; return the summary (also printed and written as JSON).
 
     File outputs are staged and published only when the run and its summary succeed
@@ -156,8 +177,10 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         validate_more: the pipeline's own flag checks, run with the shared ones.
         kind: ``"classify"`` (may draw a confusion PNG) or ``"extract"``.
         on_plan: called with the `Plan` once the graph is built (before it runs).
+        flag_classes: the pipeline's own option classes (with Beam's, every flag it knows).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    refuse_unknown_flags(argv, flag_classes, f"python -m pipelines.{kind}")
     if PipelineOptions(argv).view_as(StepOptions).bigquery_endpoint:
         # worker processes import the seam as a plugin and redirect their clients too
         # (a flag, not an attribute set later: workers receive the parsed flags)
@@ -235,7 +258,15 @@ def explain(error: BaseException, outputs: dict[str, str] | None = None) -> str:
         where = f"; these files are final: {', '.join(final)}"
     else:
         where = f"; nothing was written to {', '.join(outputs.values())}" if outputs else ""
-    return f"error: {cause} ({type(error).__name__}: {first[:300]}){where}"
+    return f"error: {cause} ({type(error).__name__}: {_cut(first, 400)}){where}"
+
+
+def _cut(text: str, limit: int) -> str:
+    """`text` at most `limit` characters, cut at a word boundary (never mid-word)."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit].rsplit(" ", 1)[0].rstrip(",;:")
+    return f"{head} ..."
 
 
 def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOptions, ClassifyOptions)) -> int:

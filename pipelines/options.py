@@ -11,15 +11,19 @@ a `ClassifyText`; `validate(options)` checks combinations early, naming the flag
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+from typing import Sequence
 
+from apache_beam.options import pipeline_options as beam_options
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions
 
 from beam_prefix.model.loading import EMBEDDED, check_device
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.beam.classify_transform import ClassifyText
 
-__all__ = ["StepOptions", "ClassifyOptions", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
+__all__ = ["StepOptions", "ClassifyOptions", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -171,6 +175,11 @@ def validate(options: PipelineOptions) -> None:
         check_device(o.device, o.dtype)
     except ValueError as e:
         raise ValueError(f"--device={o.device} --dtype={o.dtype}: {e}") from None
+    runner = (options.view_as(StandardOptions).runner or "DirectRunner").lower()
+    if o.device == "auto" and o.dtype == "float16" and runner in ("directrunner", "prismrunner") \
+            and not _cuda_here():  # the workers are this machine: auto is the CPU
+        raise ValueError(f"--device=auto --dtype=float16: this machine has no CUDA device, so auto is the CPU, "
+                         f"where float16 is not a compute type; use --dtype=float32 or bfloat16")
     if bool(c.task_dir) != bool(c.task_column):
         raise ValueError("--task_dir and --task_column go together (a directory of tasks, and the column naming "
                          "each row's task)")
@@ -200,6 +209,12 @@ def validate(options: PipelineOptions) -> None:
         raise ValueError("--bigquery_read_method=EXPORT needs --temp_location")
 
 
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyText:
     """The `ClassifyText` the flags describe (the task file is read here, in the launcher);
     `keep_columns`: the input columns its labelled rows carry (default: all)."""
@@ -214,3 +229,47 @@ def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyT
                         verify=o.verify == "true", label_search=c.label_search, top_k=c.top_k,
                         prob_columns=None if c.prob_columns is None else c.prob_columns == "true",
                         keep_columns=keep_columns, device=o.device, output_features=c.output_features == "true")
+
+
+def join_negative_lists(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """``--layers -1,12`` as ``--layers=-1,12``: argparse reads a value that starts with a
+    minus and is not a plain number as a flag of its own."""
+    out, argv = [], list(argv)
+    i = 0
+    while i < len(argv):
+        if argv[i] in flags and i + 1 < len(argv) and re.fullmatch(r"-\d+(,\s*-?\d+)*", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def refuse_unknown_flags(argv: Sequence[str], own: Sequence[type], prog: str) -> None:
+    """Refuse a flag that neither the pipeline (`own` option classes) nor Beam knows: Beam
+    drops it with a log line ('Discarding unparseable args'), so a misspelt
+    ``--eval_label_colum`` would run without what it asked for.
+
+    Raises:
+        ValueError: naming the flag and the closest known one.
+    """
+    parser = beam_options._BeamArgumentParser(allow_abbrev=False)  # what PipelineOptions parses with
+    classes = {}
+    for cls in PipelineOptions.__subclasses__():  # Beam's own options (every runner's)
+        if cls.__module__.startswith("apache_beam."):
+            classes.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
+    for cls in own:
+        classes.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
+    for cls in classes.values():
+        cls._add_argparse_args(parser)
+    _, unknown = parser.parse_known_args(list(argv))
+    flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
+    if not flags and unknown:
+        raise ValueError(f"unexpected argument {unknown[0]!r} (flags take the form --name=value; "
+                         f"{prog} --help lists them)")
+    if flags:
+        known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+        close = difflib.get_close_matches(flags[0], known, n=1, cutoff=0.6)
+        raise ValueError(f"unknown flag {flags[0]}" + (f"; did you mean {close[0]}?" if close else "")
+                         + f" ({prog} --help lists the flags; Beam's own are accepted too)")

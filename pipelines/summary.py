@@ -35,23 +35,24 @@ FIT_KEY = "__fit_the_head__"
 STASHED_KEYS = (GOLD_KEY, FIT_KEY)
 
 
-def stash_gold(rows, column: str, *, head=None, text_column: str = "text"):
-    """Copy each row's gold label to `GOLD_KEY` before classification; with a trained
-    `head`, mark (`FIT_KEY`) the rows whose text it was fit on."""
-    return rows | "StashGoldLabel" >> beam.Map(_Stash(column, head, text_column))
+def stash_gold(rows, column: str, *, heads=None, text_column: str = "text", task_column: str | None = None):
+    """Copy each row's gold label to `GOLD_KEY` before classification; where the row's task
+    answers with a trained head (`heads`: task key -> head; key None without routing,
+    else the row's `task_column` value), mark (`FIT_KEY`) the rows whose text it was fit on."""
+    return rows | "StashGoldLabel" >> beam.Map(_Stash(column, dict(heads or {}), text_column, task_column))
 
 
 class _Stash:
-    def __init__(self, column: str, head, text_column: str):
-        self._column, self._head, self._text = column, head, text_column
+    def __init__(self, column: str, heads: dict, text_column: str, task_column: str | None):
+        self._column, self._heads, self._text, self._task = column, heads, text_column, task_column
 
     def __call__(self, row):
         if not isinstance(row, dict):
             return row
         out = {**row, GOLD_KEY: row.get(self._column)}
-        if self._head is not None:
-            text = row.get(self._text)
-            out[FIT_KEY] = isinstance(text, str) and self._head.trained_on(text)
+        if self._heads:
+            head = self._heads.get(None if self._task is None else row.get(self._task))
+            out[FIT_KEY] = head is not None and head.trained_on(row.get(self._text))
         return out
 
 

@@ -65,6 +65,10 @@ class EmbedConfig(StepConfig):
         version = ["task_version"] if self.task.version is not None else []
         return [FEATURES_COLUMN, "truncated", *version, "prompt_fingerprint", "model"]
 
+    def check_fits(self) -> None:
+        """At launch: the prompt fits the model, and the model has the hidden states `layers` names."""
+        self.engine.check_fits(self.task, self.model, dtype=self.dtype, layers=self.layers)
+
     def build_engine(self, loaded):
         """A classifier over the task's prompt whose start-up self-check compares features."""
         return PrefixClassifier(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify,

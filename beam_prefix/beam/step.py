@@ -154,9 +154,10 @@ class StepConfig:
         return self.engine(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify)
 
     def check_fits(self) -> None:
-        """At launch: refuse a task whose prompt cannot fit the model (its configuration and
-        tokenizer only; `PrefixEngine.check_fits`)."""
-        self.engine.check_fits(self.task, self.model)
+        """At launch: refuse a task whose prompt cannot fit the model, or whose head was fit
+        for another prompt, model or dtype (its configuration and tokenizer only;
+        `PrefixEngine.check_fits`)."""
+        self.engine.check_fits(self.task, self.model, dtype=self.dtype)
 
     @property
     def model_tag(self) -> str:

@@ -22,6 +22,7 @@ import time
 from typing import Any, Iterable
 
 import apache_beam as beam
+import torch
 from apache_beam.utils import shared
 
 from beam_prefix.errors import RowError
@@ -38,6 +39,9 @@ _LOGGER = logging.getLogger(__name__)
 # One handle per process: every DoFn that refers to it (any step, any thread) shares
 # the models acquired through it, keyed by tag (model, dtype, device).
 _MODEL_HANDLE = shared.Shared()
+# torch's own count before any step set one: a step without `threads` runs with it, even
+# after another step in this process set its own
+_DEFAULT_THREADS = torch.get_num_threads()
 
 
 class ModelHolder:
@@ -66,11 +70,15 @@ class ModelHolder:
         self._model_load_s = loaded.load_s
 
     def pool(self, step: str, config: StepConfig) -> PrefixPool:
-        """Step `step`'s pool (each step has its own, bounded by its config)."""
+        """Step `step`'s pool (each step has its own, bounded by its config): keyed by the
+        bound too, so a later pipeline in this process with a step of the same name but
+        another bound gets its own, not the first one's."""
+        bound = int(config.max_prefix_cache_mb * 2**20)
+        key = f"{step}|{bound}"
         with self._lock:
-            if step not in self.pools:
-                self.pools[step] = PrefixPool(int(config.max_prefix_cache_mb * 2**20))
-            return self.pools[step]
+            if key not in self.pools:
+                self.pools[key] = PrefixPool(bound)
+            return self.pools[key]
 
     def engine_for(self, step: str, config: StepConfig):
         """A fork of the task's engine (its prefix built once per process and step, pooled)."""
@@ -163,7 +171,7 @@ class PrefixStepDoFn(beam.DoFn):
                 yield self._failed(config, row, "invalid_row", f"{type(e).__name__}: {e}", "validate", ts)
         if not good:
             return
-        set_torch_threads(config.threads)  # this step's count (torch's is per process)
+        set_torch_threads(config.threads or _DEFAULT_THREADS)  # this step's count (torch's is per process)
         start = time.perf_counter()
         try:
             results = self._call(engine, encoded)
@@ -182,7 +190,8 @@ class PrefixStepDoFn(beam.DoFn):
         self._metrics.batch_latency.update(int(elapsed * 1e6))
         for (row, ts, row_config), result in zip(good, results):
             if isinstance(result, Exception):
-                yield self._failed(config, row, "model_error", f"{type(result).__name__}: {result}", "model", ts)
+                reason = result.reason if isinstance(result, RowError) else "model_error"
+                yield self._failed(config, row, reason, f"{type(result).__name__}: {result}", "model", ts)
                 continue
             self._metrics.prefix_tokens_reused.inc(engine.prefix_length)
             if result.truncated:

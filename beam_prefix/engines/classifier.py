@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import torch
 
 from beam_prefix.tasks.cached_prompt import Answer
-from beam_prefix.errors import VerificationError
+from beam_prefix.errors import NonFiniteScoreError, TaskSpecError, VerificationError
 from beam_prefix.engines.label_scorers import LabelScorer, build_scorer
 from beam_prefix.tasks.labels import label_token_ids
 from beam_prefix.engines.prefix_engine import VERIFY_PROBES, PrefixEngine
@@ -137,6 +137,27 @@ class PrefixClassifier(PrefixEngine):
             identity["head"] = task.head.identity
         return Answer("longest label", max(len(i) for i in ids), identity)
 
+    @classmethod
+    def _check_launch(cls, task: TaskSpec, layout, answer: Answer, config, model: str, *, dtype: str,
+                      layers: Sequence[int] | None) -> None:
+        """A head fit for another prompt, model, dtype or labels, and hidden-state layers the
+        model does not have, refused from the configuration alone (the engine's own check,
+        made again on each worker, would come after the model loads)."""
+        hidden = config.get_text_config().num_hidden_layers + 1  # embeddings, then each layer
+        wanted = [("layers", tuple(layers))] if layers is not None else []
+        if task.head is not None:
+            wanted.append((f"head {task.head.source or task.head.identity}: layers", task.head.layers))
+        for what, indices in wanted:
+            bad = [i for i in indices if not -hidden <= i < hidden]
+            if bad:
+                raise TaskSpecError(f"{what} {list(indices)}: {bad} out of range for model {model}, whose "
+                                    f"hidden states are indices -{hidden}..{hidden - 1} ({hidden - 1} layers)")
+        if task.head is not None:
+            identity = {k: v for k, v in answer.identity.items() if k != "head"}
+            fingerprint = feature_fingerprint(layout.fingerprint(model, identity), {"fp32": "float32"}.get(dtype, dtype),
+                                              task.head.layers)
+            task.head.check(task.label_names, fingerprint, task=task.name, model=f"{model} ({dtype})")
+
     @property
     def features_fingerprint(self) -> str:
         """The prompt's fingerprint without a head: what features depend on, and what a
@@ -237,10 +258,13 @@ class PrefixClassifier(PrefixEngine):
             VerificationError: naming the texts whose label or scores disagree.
         """
         texts = list(texts)
-        cached, full = self._timed(texts, self.classify, self.classify_full)
-        references = [("full re-encoding", full)]
-        if self.scorer.exhaustive() is not self.scorer:
-            references.append(("exhaustive label search", self.classify_exhaustive(texts)))
+        try:
+            cached, full = self._timed(texts, self.classify, self.classify_full)
+            references = [("full re-encoding", full)]
+            if self.scorer.exhaustive() is not self.scorer:
+                references.append(("exhaustive label search", self.classify_exhaustive(texts)))
+        except NonFiniteScoreError as e:  # a NaN compares unequal to itself: never a pass
+            raise VerificationError(f"the self-check's scores are not numbers: {e}", texts) from e
         worst = 0.0
         for name, reference in references:
             bad, diff = _disagreements(texts, cached, reference, self.atol)
@@ -267,8 +291,9 @@ class PrefixClassifier(PrefixEngine):
         texts = list(texts)
         cached, full = self._timed(texts, lambda t: self.embed(t, layers), lambda t: self.embed_full(t, layers))
         diffs = [max(abs(a - b) for a, b in zip(c.features, f.features)) for c, f in zip(cached, full)]
+        diffs = [d if math.isfinite(d) else math.inf for d in diffs]  # NaN > tolerance is False
         scale = max(abs(v) for f in full for v in f.features)
-        bad = [t for t, d in zip(texts, diffs) if d > self.atol * max(scale, 1.0)]
+        bad = [t for t, d in zip(texts, diffs) if not d <= self.atol * max(scale, 1.0)]
         if bad:
             raise VerificationError(f"cached features differ from full re-encoding on {len(bad)} of {len(texts)} texts "
                                     f"(max difference {max(diffs):.2e}, values up to {scale:.1f}): "
@@ -312,6 +337,9 @@ class PrefixClassifier(PrefixEngine):
     def _prediction(self, raw: torch.Tensor, enc: EncodedText, computed: int, *, label_tokens: int) -> Prediction:
         logp = self._normalise(raw)
         probs, logs = logp.exp().tolist(), logp.tolist()
+        if any(math.isnan(v) for v in logs):  # (log-softmax is never +inf; NaN is what breaks)
+            raise NonFiniteScoreError(f"the {'head' if self.mode == 'head' else 'model'} gave this row's labels "
+                                      f"scores that are not numbers ({raw.float().tolist()[:4]}...)")
         names = self.task.label_names
         best = max(range(len(names)), key=logs.__getitem__)
         return Prediction(label=names[best], score=probs[best], scores=dict(zip(names, probs)),
@@ -339,9 +367,9 @@ def _disagreements(texts, cached: Sequence[Prediction], reference: Sequence[Pred
     bad, worst = [], 0.0
     for text, c, f in zip(texts, cached, reference):
         diff = max(abs(c.scores[k] - f.scores[k]) for k in f.scores)
-        worst = max(worst, diff)
+        worst = max(worst, diff) if math.isfinite(diff) else math.inf
         ranked = sorted(f.scores.values(), reverse=True)
         margin = ranked[0] - ranked[1]
-        if diff > atol or (c.label != f.label and margin > atol):
+        if not math.isfinite(diff) or diff > atol or (c.label != f.label and margin > atol):
             bad.append(text)
     return bad, worst

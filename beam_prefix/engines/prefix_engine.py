@@ -131,18 +131,27 @@ class PrefixEngine:
         return cls(task=task, loaded=loaded, **kwargs)
 
     @classmethod
-    def check_fits(cls, task, model: str, *, trust_remote_code: bool = False) -> None:
-        """The context check this engine makes at construction, made from the model's
-        configuration and tokenizer alone (no weights): a launcher refuses a task that
-        cannot fit before any worker starts.
+    def check_fits(cls, task, model: str, *, dtype: str = "float32", layers: Sequence[int] | None = None,
+                   trust_remote_code: bool = False) -> None:
+        """The checks this engine makes at construction, made from the model's configuration
+        and tokenizer alone (no weights): a launcher refuses a task that cannot fit, or
+        (`_check_launch`) a head or layers that do not fit this prompt, model and `dtype`,
+        before any worker starts.
 
         Raises:
             ContextLengthError: as `cached_prompt.check_context`; TaskSpecError or
-                BoundaryError from rendering the task.
+                BoundaryError from rendering the task or from `_check_launch`.
         """
         layout = PromptLayout.build(task, load_tokenizer(model, trust_remote_code=trust_remote_code))
-        check_context(layout, cls._answer(task, layout), load_config(model, trust_remote_code=trust_remote_code),
-                      model_id(model))
+        config = load_config(model, trust_remote_code=trust_remote_code)
+        answer = cls._answer(task, layout)
+        check_context(layout, answer, config, model_id(model))
+        cls._check_launch(task, layout, answer, config, model_id(model), dtype=dtype, layers=layers)
+
+    @classmethod
+    def _check_launch(cls, task, layout: PromptLayout, answer: Answer, config, model: str, *, dtype: str,
+                      layers: Sequence[int] | None) -> None:
+        """The kind's own launch-time checks (default: none)."""
 
     def fork(self) -> "PrefixEngine":
         """Another engine sharing model, prompt, prefix and everything prepared, with its own

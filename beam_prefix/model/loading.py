@@ -159,6 +159,9 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     place = resolve_device(device)
+    if place.type == "cpu" and dtype in ("float16", "fp16"):  # device auto on a worker with no GPU
+        raise ModelLoadError(f"dtype float16 is for GPUs, and device {device!r} is the CPU here (no CUDA device); "
+                             f"use float32 or bfloat16 on CPU workers")
     set_torch_threads(threads)
     with _LOAD_LOCK:
         return _load(spec, dtype=dtype, place=place, trust_remote_code=trust_remote_code, prepack=prepack)

@@ -276,7 +276,7 @@ class TaskSpec(PromptTask):
         """Build a task from a parsed mapping (the YAML document); a relative `head` path is
         read from `base_dir` (the task file's directory)."""
         if isinstance(data, Mapping) and isinstance(data.get("head"), str) and base_dir \
-                and not os.path.isabs(data["head"]):
+                and not os.path.isabs(data["head"]) and "://" not in data["head"]:  # (gs://: as written)
             data = {**data, "head": os.path.join(base_dir, data["head"])}
         if isinstance(data, Mapping) and data.get("kind", cls.kind) != cls.kind:
             raise TaskSpecError(f"{source}: kind {_short(data.get('kind'))} is not a classification task; "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 from typing import Any, Sequence
 
@@ -28,7 +29,7 @@ import torch
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY"]
+__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES"]
 
 HEAD_METADATA_KEY = "beam_prefix_head"
 _FORMAT = 1
@@ -48,6 +49,35 @@ def feature_fingerprint(prompt_fingerprint: str, dtype: torch.dtype | str, layer
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 
+# far above any real head (77 labels x 1,152 features is 0.4 MB; 10,000 training hashes 80 kB)
+MAX_HEAD_FILE_BYTES = 64 * 1024 * 1024
+
+
+def _validate(where: str, labels, layers, weight, bias, mean, std) -> None:
+    """Refuse a head that would answer NaN or crash mid-run: shapes, labels, layers, finite
+    values, a positive deviation.
+
+    Raises:
+        TaskSpecError: naming the head and what is wrong.
+    """
+    if len(labels) < 2 or len(set(labels)) != len(labels) or not all(isinstance(n, str) and n for n in labels):
+        raise TaskSpecError(f"{where}: labels must be two or more distinct names, got {list(labels)[:8]}")
+    if not layers or len(set(layers)) != len(layers):
+        raise TaskSpecError(f"{where}: layers must be distinct hidden-state indices, got {list(layers)}")
+    if weight.dim() != 2 or mean.dim() != 1 or weight.shape != (len(labels), mean.shape[0]) \
+            or bias.shape != (len(labels),) or std.shape != mean.shape or mean.shape[0] == 0:
+        raise TaskSpecError(f"{where}: weight {tuple(weight.shape)}, bias {tuple(bias.shape)}, mean "
+                            f"{tuple(mean.shape)}, std {tuple(std.shape)} do not fit {len(labels)} labels")
+    for name, t in (("weight", weight), ("bias", bias), ("mean", mean), ("std", std)):
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise TaskSpecError(f"{where}: {bad} of {t.numel()} values of {name} are not finite (NaN or inf); "
+                                f"fit the head again (python -m pipelines.fit)")
+    if not bool((std > 0).all()):
+        raise TaskSpecError(f"{where}: std holds {int((std <= 0).sum())} values <= 0 (features are divided by it); "
+                            f"fit the head again (python -m pipelines.fit)")
+
+
 class TrainedHead:
     """A fitted head (see the module docstring); read-only once built.
 
@@ -63,15 +93,15 @@ class TrainedHead:
     def __init__(self, *, labels: Sequence[str], layers: Sequence[int], weight: torch.Tensor, bias: torch.Tensor,
                  mean: torch.Tensor, std: torch.Tensor, fingerprint: str, train_hashes: Sequence[int] = (),
                  metrics: dict[str, Any] | None = None, source: str | None = None):
+        where = f"head {source!r}" if source else "head"
         self.labels = tuple(labels)
-        self.layers = tuple(int(i) for i in layers)
+        try:
+            self.layers = tuple(operator.index(i) for i in layers)
+        except TypeError:
+            raise TaskSpecError(f"{where}: layers must be integers, got {list(layers)}") from None
         self.weight, self.bias = weight.float(), bias.float()
         self.mean, self.std = mean.float(), std.float()
-        if self.weight.shape != (len(self.labels), self.mean.shape[0]) or self.bias.shape != (len(self.labels),) \
-                or self.std.shape != self.mean.shape:
-            raise TaskSpecError(f"head {source or ''}: weight {tuple(self.weight.shape)}, bias "
-                                f"{tuple(self.bias.shape)}, mean {tuple(self.mean.shape)} do not fit "
-                                f"{len(self.labels)} labels")
+        _validate(where, self.labels, self.layers, self.weight, self.bias, self.mean, self.std)
         self.fingerprint = fingerprint
         self.train_hashes = frozenset(int(h) for h in train_hashes)
         self.metrics = dict(metrics or {})
@@ -110,9 +140,15 @@ class TrainedHead:
     def __getstate__(self):  # pickled to workers without its per-device copies
         return {**self.__dict__, "_on": {}}
 
-    def trained_on(self, text: str) -> bool:
-        """Whether a row with this text was one of the head's training rows."""
-        return text_hash(text) in self.train_hashes
+    def trained_on(self, text: str | bytes) -> bool:
+        """Whether a row with this text (as the engine reads it: UTF-8 bytes decoded) was one
+        of the head's training rows."""
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError:
+                return False  # such a row fails; it was not a training row either
+        return isinstance(text, str) and text_hash(text) in self.train_hashes
 
     def check(self, labels: Sequence[str], fingerprint: str, *, task: str, model: str) -> None:
         """Refuse a head fit for other labels, or on another prompt, model, dtype or layers.
@@ -151,16 +187,67 @@ class TrainedHead:
         from safetensors import safe_open
 
         path = os.fspath(path)
+        if "://" in path:  # gs:// or another Beam FileSystem: a local copy, read the same way
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as local:
+                head = cls.load(_copy_remote(path, os.path.join(local, "head")))
+            head.source = path
+            return head
+        _check_regular(path)
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 meta = json.loads((f.metadata() or {})[HEAD_METADATA_KEY])
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except FileNotFoundError:
-            raise TaskSpecError(f"head file {path!r} does not exist (fit one with python -m pipelines.fit)") from None
         except Exception as e:  # noqa: BLE001 - not safetensors, no metadata, bad JSON...
             raise TaskSpecError(f"head file {path!r} is not a beam-prefix head: {type(e).__name__}: {e}") from None
-        if meta.get("format") != _FORMAT:
-            raise TaskSpecError(f"head file {path!r} has format {meta.get('format')!r}, this version reads {_FORMAT}")
+        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else None
+            raise TaskSpecError(f"head file {path!r} has format {got!r}, this version reads {_FORMAT}")
+        missing = [k for k in ("labels", "layers", "fingerprint") if k not in meta] + \
+            [k for k in ("weight", "bias", "mean", "std", "train_hashes") if k not in tensors]
+        if missing:
+            raise TaskSpecError(f"head file {path!r} is damaged: it lacks {missing}")
+        if not isinstance(meta["labels"], list) or not isinstance(meta["layers"], list) \
+                or not isinstance(meta["fingerprint"], str):
+            raise TaskSpecError(f"head file {path!r} is damaged: labels, layers or fingerprint of the wrong type")
         return cls(labels=meta["labels"], layers=meta["layers"], weight=tensors["weight"], bias=tensors["bias"],
                    mean=tensors["mean"], std=tensors["std"], fingerprint=meta["fingerprint"],
                    train_hashes=tensors["train_hashes"].tolist(), metrics=meta.get("metrics"), source=path)
+
+
+def _copy_remote(url: str, target: str) -> str:
+    """Copy a head file from a Beam FileSystem to `target`, refusing one too large."""
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    try:
+        found = FileSystems.match([url])[0].metadata_list
+    except Exception as e:  # noqa: BLE001 - no such bucket, no credentials...
+        raise TaskSpecError(f"head file {url!r} cannot be read: {type(e).__name__}: {e}") from None
+    if not found:
+        raise TaskSpecError(f"head file {url!r} does not exist (fit one with python -m pipelines.fit)")
+    if found[0].size_in_bytes > MAX_HEAD_FILE_BYTES:
+        raise TaskSpecError(f"head file {url!r} is {found[0].size_in_bytes / 2**20:.0f} MB; a head file is at "
+                            f"most {MAX_HEAD_FILE_BYTES // 2**20} MB")
+    with FileSystems.open(url, compression_type=CompressionTypes.UNCOMPRESSED) as src, open(target, "wb") as out:
+        out.write(src.read(MAX_HEAD_FILE_BYTES + 1))
+    return target
+
+
+def _check_regular(path: str) -> None:
+    """Only a regular file of a head's size is read: a FIFO would hang the launcher, a huge
+    file exhaust its memory."""
+    import stat
+
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise TaskSpecError(f"head file {path!r} does not exist (fit one with python -m pipelines.fit)") from None
+    except OSError as e:
+        raise TaskSpecError(f"head file {path!r} cannot be read: {e.strerror or e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise TaskSpecError(f"head file {path!r} is not a regular file")
+    if info.st_size > MAX_HEAD_FILE_BYTES:
+        raise TaskSpecError(f"head file {path!r} is {info.st_size / 2**20:.0f} MB; a head file is at most "
+                            f"{MAX_HEAD_FILE_BYTES // 2**20} MB")

@@ -1,0 +1,148 @@
+"""Where `pipelines.fit` stages its features, and how it writes the head: on the output's
+own file system (a local folder, ``gs://`` or any Beam FileSystem), so that workers on
+other machines can deliver the features and classify can read the head where fit put it.
+
+The features go to a hidden folder beside the head, ``.beam-prefix-fit-<head name>-<run>/``
+(one Parquet file per worker shard and a count of failed rows), are read back by the
+launcher, and the folder is deleted when the fit ends, also when it fails. A fit killed
+outright (kill -9) cannot clean up: the next fit of the same head file removes what such a
+run left. The head is written to a temporary name beside its final one and renamed into
+place, so a reader never sees half a head.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import posixpath
+import shutil
+import time
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+__all__ = ["FeatureStaging", "write_head", "STAGING_PREFIX"]
+
+_LOGGER = logging.getLogger("pipelines.fit")
+STAGING_PREFIX = ".beam-prefix-fit-"
+
+
+def _remote(path: str) -> bool:
+    return "://" in path
+
+
+def _split(path: str) -> tuple[str, str]:
+    if _remote(path):
+        head, _, name = path.rpartition("/")
+        return head, name
+    path = os.path.abspath(path)
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def _join(directory: str, name: str) -> str:
+    return posixpath.join(directory, name) if _remote(directory) else os.path.join(directory, name)
+
+
+def _read(path: str) -> bytes:
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        return f.read()
+
+
+class FeatureStaging:
+    """The staging folder of one fit, beside the head file `output`.
+
+    Args:
+        output: the head file's path (local or a Beam FileSystem URL).
+    """
+
+    def __init__(self, output: str):
+        self.directory, self.name = _split(output)
+        self._prefix = f"{STAGING_PREFIX}{self.name}-"
+        self.path = _join(self.directory, f"{self._prefix}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+
+    def prepare(self) -> None:
+        """Create the head's folder if missing (as classify does for its outputs) and
+        remove what an earlier fit of the same head that was killed left behind."""
+        if not _remote(self.directory):
+            os.makedirs(self.directory, exist_ok=True)
+            stale = [os.path.join(self.directory, n) for n in os.listdir(self.directory) if n.startswith(self._prefix)]
+        else:
+            stale = sorted({self._folder_of(p) for p in _matches(_join(self.directory, self._prefix + "*"))})
+        for folder in stale:
+            _LOGGER.info("removing %s, left by an earlier fit of %s that did not finish", folder, self.name)
+            self._delete(folder)
+
+    def _folder_of(self, path: str) -> str:
+        return _join(self.directory, path[len(self.directory):].lstrip("/").split("/")[0])
+
+    @property
+    def features(self) -> str:
+        """The features' file prefix (a Parquet sink writes ``features-*.parquet``)."""
+        return _join(self.path, "features")
+
+    @property
+    def failed(self) -> str:
+        """The failed-row count's file prefix (a text sink)."""
+        return _join(self.path, "failed")
+
+    def read(self) -> tuple[pa.Table, int]:
+        """The staged features (one table) and the number of failed rows."""
+        table = pa.concat_tables([pq.read_table(io.BytesIO(_read(p))) for p in sorted(_matches(self.features + "*"))])
+        counts = _matches(self.failed + "*")
+        return table, sum(int(_read(p).decode("ascii").strip() or 0) for p in counts)
+
+    def delete(self) -> None:
+        self._delete(self.path)
+
+    @staticmethod
+    def _delete(folder: str) -> None:
+        try:
+            if not _remote(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+            else:  # object stores have no folders: delete what lies under the name
+                files = _matches(folder + "/**")
+                if files:
+                    FileSystems.delete(files)
+        except Exception as e:  # noqa: BLE001 - cleanup must not hide the fit's own result or error
+            _LOGGER.warning("could not remove the staging folder %s: %s", folder, e)
+
+
+def _matches(pattern: str) -> list[str]:
+    try:
+        return [m.path for m in FileSystems.match([pattern])[0].metadata_list]
+    except Exception:  # noqa: BLE001 - nothing there
+        return []
+
+
+def write_head(head, output: str) -> None:
+    """Write `head` (a `TrainedHead`) to `output`, all or nothing: a temporary file beside
+    it, then a rename."""
+    directory, name = _split(output)
+    tmp = _join(directory, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+    if not _remote(output):
+        try:
+            head.save(tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, output)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as local:
+        path = os.path.join(local, "head")
+        head.save(path)
+        with open(path, "rb") as src, FileSystems.create(tmp) as dst:
+            dst.write(src.read())
+    try:
+        if FileSystems.exists(output):
+            FileSystems.delete([output])
+        FileSystems.rename([tmp], [output])
+    finally:
+        if FileSystems.exists(tmp):
+            FileSystems.delete([tmp])
