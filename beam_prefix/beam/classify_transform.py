@@ -24,7 +24,7 @@ from beam_prefix.beam.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB
 from beam_prefix.beam.routing import BatchPerTask, KeyByTask, RoutedClassifyDoFn, TaskRoutes, load_tasks
 from beam_prefix.beam.schemas import input_fields, labeled_type
 from beam_prefix.beam.step import (FAILED_TAG, StepResult, as_rows, batched_step, batching_args, refuse_clashing_fields,
-                              with_timestamp)
+                                   refuse_runner, with_timestamp)
 from beam_prefix.tasks.task import TaskSpec
 
 __all__ = ["ClassifyText", "ClassifyResult", "batched_step", "batching_args", "as_rows"]
@@ -133,6 +133,7 @@ class ClassifyText(beam.PTransform):
         return self._routes
 
     def expand(self, rows):
+        refuse_runner(rows, self.label)
         fields = input_fields(rows.element_type)
         names = [name for name, _ in fields or ()]
         # schema'd input: an earlier step's metadata columns are known now (dict rows: per row)

@@ -31,7 +31,7 @@ from beam_prefix.beam.schemas import FAILED_TYPE, ToRow, failed_row, input_field
 
 __all__ = ["StepConfig", "StepResult", "Stamped", "FAILED_TAG", "METADATA_COLUMNS", "stamp", "unstamp",
            "failed_record", "as_dict", "text_of", "row_config", "batching_args", "batched_step", "as_rows",
-           "refuse_clashing_fields", "with_timestamp", "PrefixStep"]
+           "refuse_clashing_fields", "refuse_runner", "with_timestamp", "PrefixStep"]
 
 FAILED_TAG = "failed"
 # columns that say how a row was produced, not what was found in it (see StepConfig.metadata_prefix)
@@ -207,6 +207,17 @@ def as_dict(row: Any, text_column: str) -> dict:
     return {"value": row}  # fails validation: no text column
 
 
+def refuse_runner(pcoll, step: str) -> None:
+    """Refuse a runner that loses rows of a multi-output step: Beam's DaskRunner (2.77)
+    hands every consumer of a tagged output all of the step's outputs, so labelled rows
+    land in ``failed`` too and the run still ends done."""
+    runner = getattr(getattr(pcoll, "pipeline", None), "runner", None)
+    if runner is not None and "dask" in type(runner).__name__.lower():
+        raise ValueError(f"{step}: Beam's {type(runner).__name__} hands every consumer of a multi-output step all "
+                         f"of its outputs, so rows would land in the wrong output and the run would end done; use "
+                         f"DirectRunner, a portable runner (Flink, Spark) or Dataflow")
+
+
 def text_of(config: StepConfig, row: Mapping[str, Any]):
     """The row's text column (`RowError` ``missing_column`` without one)."""
     if config.text_column not in row:
@@ -311,6 +322,7 @@ class PrefixStep(beam.PTransform):
         raise NotImplementedError
 
     def expand(self, rows):
+        refuse_runner(rows, self.label)
         fields = input_fields(rows.element_type)
         # an earlier step's metadata columns (schema'd input: known now) get this step's prefix beside them
         config = self._config.for_input([name for name, _ in fields or ()])
