@@ -38,3 +38,18 @@ def test_each_transform_refuses_the_dask_runner_in_a_users_own_pipeline(tiny_dir
     rows = p | beam.Create([{"text": "refund", "t": "a"}])
     with pytest.raises(ValueError, match="DaskRunner hands every consumer of a multi-output step"):
         _ = rows | make(tiny_dir)
+
+
+@pytest.mark.parametrize("wrapper", ["KeyedModelHandler", "MaybeKeyedModelHandler"])
+def test_beams_keyed_wrapper_around_our_handler_points_to_ours(wrapper):
+    from apache_beam.ml.inference import base
+
+    from beam_prefix.handler import PrefixCachedModelHandler
+
+    with pytest.raises(TypeError, match="use KeyedPrefixCachedModelHandler.*validate_texts=False"):
+        getattr(base, wrapper)(PrefixCachedModelHandler(task=tiny_task()))
+    # the two ways out it names both work
+    base.KeyedModelHandler(PrefixCachedModelHandler(task=tiny_task(), validate_texts=False))
+    from beam_prefix.handler import KeyedPrefixCachedModelHandler
+
+    assert KeyedPrefixCachedModelHandler(task=tiny_task()).get_preprocess_fns()

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 import threading
 from typing import Any, Iterable, Optional, Sequence
 
-from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult
+from apache_beam.ml.inference.base import KeyedModelHandler, MaybeKeyedModelHandler, ModelHandler, PredictionResult
 
 from beam_prefix.engines.classifier import PrefixClassifier
 from beam_prefix.model.loading import EMBEDDED, check_device, load_tokenizer
@@ -160,6 +161,11 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
                              f"task settings go in the task file or the constructor")
 
     def get_preprocess_fns(self) -> Iterable:
+        if self._validate_texts and _wrapped_by_keyed(sys._getframe(1)):
+            raise TypeError("KeyedModelHandler(PrefixCachedModelHandler(...)) cannot wrap a handler that "
+                            "validates texts in a preprocessing step: use KeyedPrefixCachedModelHandler(task=..., "
+                            "model=...) from beam_prefix.handler for (key, text) examples, or "
+                            "PrefixCachedModelHandler(..., validate_texts=False) inside Beam's wrapper")
         return [TextValidator(self._task, self._model)] if self._validate_texts else []
 
     def run_inference(self, batch: Sequence[str], model: ServedClassifier,
@@ -172,6 +178,14 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
 
     def get_metrics_namespace(self) -> str:
         return "beam_prefix"
+
+
+def _wrapped_by_keyed(frame) -> bool:
+    """Whether the caller is Beam's (Maybe)KeyedModelHandler being built around a handler
+    (its constructor refuses one with preprocessing, in a message that names no way out)."""
+    wrapper = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+    return isinstance(wrapper, (KeyedModelHandler, MaybeKeyedModelHandler)) \
+        and not isinstance(wrapper, KeyedPrefixCachedModelHandler)
 
 
 class KeyedPrefixCachedModelHandler(KeyedModelHandler):
