@@ -20,6 +20,7 @@ from beam_prefix.errors import (BeamPrefixError, BoundaryError, ModelLoadError, 
                                 TaskSpecError, TextTooLongError, VerificationError)
 from beam_prefix.tasks.extract_task import ExtractExample, ExtractionSpec, Field, load_task
 from beam_prefix.engines.extractor import Extraction, Extractor
+from beam_prefix.engines.head_fitting import fit_head
 from beam_prefix.tasks.task import Example, Label, TaskSpec
 from beam_prefix.tasks.trained_head import TrainedHead
 
@@ -29,5 +30,5 @@ __all__ = [
     "TaskSpec", "Label", "Example", "PrefixClassifier", "Prediction", "Embedding", "TrainedHead",
     "ExtractionSpec", "Field", "ExtractExample", "Extractor", "Extraction", "load_task",
     "BeamPrefixError", "TaskSpecError", "BoundaryError", "ModelLoadError", "RowError",
-    "TextTooLongError", "VerificationError",
+    "TextTooLongError", "VerificationError", "fit_head",
 ]

@@ -21,7 +21,6 @@ or input.
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import logging
 import os
@@ -37,7 +36,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.task_file import read_task_file
-from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
+from beam_prefix.engines.head_fitting import check_labels, fit_head_from_features as fit_head
+from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
 from pipelines.fit_io import FeatureStaging, write_head
 from pipelines.launch import explain
@@ -49,7 +49,6 @@ from pipelines.sources import input_format, read_rows, require_columns, input_sc
 __all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
 
 _LOGGER = logging.getLogger("pipelines.fit")
-_CS = (0.01, 0.1, 1.0, 10.0)  # the regularisation grid (inverse strength) k-fold chooses from
 
 
 class FitOptions(PipelineOptions):
@@ -89,23 +88,6 @@ def _task_without_head(path: str) -> TaskSpec:
     return task if task.name != "task" else task.replace(name=os.path.splitext(os.path.basename(path))[0])
 
 
-def check_labels(task: TaskSpec, labels) -> collections.Counter:
-    """The rows per label, after refusing labels the task lacks and task labels with no row
-    (so fewer than two classes too: a task has two labels or more); each error says which."""
-    counts = collections.Counter("" if v is None else str(v) for v in labels)
-    unknown = sorted(set(counts) - set(task.label_names))
-    if unknown:
-        raise ValueError(f"--label_column holds labels the task {task.name!r} lacks: {unknown[:10]}"
-                         + (f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else "")
-                         + f"; its labels are {list(task.label_names)[:10]}...")
-    missing = [n for n in task.label_names if n not in counts]
-    if missing:
-        raise ValueError(f"task {task.name!r} labels with no training row: {missing[:10]}"
-                         + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else "")
-                         + "; a head can only answer labels it saw (add rows, or drop the labels from the task)")
-    return counts  # every task label has a row, and a task has two or more: two classes at least
-
-
 def _labels_at_launch(options: PipelineOptions, column: str):
     """The label column of file inputs, read before any model work (None for BigQuery)."""
     o = options.view_as(StepOptions)
@@ -133,47 +115,6 @@ def _labels_at_launch(options: PipelineOptions, column: str):
                         except (ValueError, AttributeError, RecursionError):
                             continue  # fails as a row (as in classify)
     return values
-
-
-def fit_head(features: np.ndarray, labels: list[str], hashes: list[int], task: TaskSpec, *, layers, fingerprint: str,
-             folds: int) -> TrainedHead:
-    """A multinomial logistic regression on standardised features; the regularisation by
-    stratified k-fold cross-validation (accuracy), with the fold accuracy and per-label F1
-    of the chosen one in the head's metrics."""
-    from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
-    from sklearn.metrics import f1_score
-    from sklearn.model_selection import StratifiedKFold, cross_val_predict
-
-    mean = features.mean(0)
-    std = features.std(0)
-    std[std < 1e-6] = 1.0
-    x = (features - mean) / std
-    names = list(task.label_names)
-    y = np.array([names.index(label) for label in labels])
-    smallest = int(np.bincount(y, minlength=len(names)).min())
-    k = min(folds, smallest)
-    metrics: dict = {"train_rows": len(y), "rows_per_label_min": smallest}
-    start = time.perf_counter()
-    if k >= 2:
-        cv = StratifiedKFold(n_splits=k, shuffle=True, random_state=0)
-        search = LogisticRegressionCV(Cs=list(_CS), cv=cv, scoring="accuracy", max_iter=2000, l1_ratios=(0.0,),
-                                      use_legacy_attributes=False).fit(x, y)
-        c = float(np.atleast_1d(search.C_)[0])
-        predicted = cross_val_predict(LogisticRegression(C=c, max_iter=2000), x, y, cv=cv)
-        f1 = f1_score(y, predicted, average=None, labels=list(range(len(names))), zero_division=0)
-        metrics.update(folds=k, C=c, kfold_accuracy=round(float((predicted == y).mean()), 4),
-                       per_label_f1={n: round(float(v), 4) for n, v in zip(names, f1)})
-        model = LogisticRegression(C=c, max_iter=2000).fit(x, y)
-    else:  # a label with one row: nothing to cross-validate
-        model = LogisticRegression(C=1.0, max_iter=2000).fit(x, y)
-        metrics.update(folds=0, C=1.0, kfold_accuracy=None, note="a label has a single row: no cross-validation")
-    metrics["fit_s"] = round(time.perf_counter() - start, 2)
-    import torch
-
-    return TrainedHead(labels=names, layers=layers, weight=torch.from_numpy(model.coef_.astype(np.float32)),
-                       bias=torch.from_numpy(model.intercept_.astype(np.float32)),
-                       mean=torch.from_numpy(mean.astype(np.float32)), std=torch.from_numpy(std.astype(np.float32)),
-                       fingerprint=fingerprint, train_hashes=hashes, metrics=metrics)
 
 
 class _Shape(beam.DoFn):

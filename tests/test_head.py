@@ -19,6 +19,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from beam_prefix import PrefixClassifier, TaskSpecError
 from beam_prefix.beam.embed_transform import EmbedText
+from beam_prefix.engines.head_fitting import C_GRID
 from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
 from pipelines import classify, fit
 
@@ -173,7 +174,7 @@ def test_fit_then_classify_through_the_command_line(tiny_dir, tmp_path, capsys):
     assert f"head written: {head}" in out and "rows: 60 used, 0 failed" in out and "3-fold accuracy" in out
     trained = TrainedHead.load(head)
     assert trained.layers == (-1, 2) and trained.metrics["train_rows"] == 60 and len(trained.train_hashes) == 60
-    assert set(trained.metrics["per_label_f1"]) == set(LABELS) and trained.metrics["C"] in fit._CS
+    assert set(trained.metrics["per_label_f1"]) == set(LABELS) and trained.metrics["C"] in C_GRID
 
     text = open(SUPPORT_TASK, encoding="utf-8").read().replace("calibration: true", "calibration: false")
     (tmp_path / "task.yaml").write_text(text.replace("scoring: auto", "scoring: head\nhead: support.head"))
@@ -210,3 +211,22 @@ def test_the_shipped_heads_fit_the_shipped_prompts_and_model(embedded, task):
     clf = PrefixClassifier(task=spec, loaded=embedded, verify=True, batch_size=8)
     assert clf.mode == "head" and spec.head.metrics["kfold_accuracy"] >= 0.8
     assert 0 < len(spec.head.train_hashes) <= spec.head.metrics["train_rows"]  # (duplicate texts hash once)
+
+
+def test_fit_head_inside_one_program_as_the_readme_shows(tiny_models):
+    """`beam_prefix.fit_head`: features by the classifier's own cached engine, a head that
+    the classifier's task then answers with (its self-check passing), its training rows known."""
+    import csv as csv_module
+
+    from beam_prefix import fit_head
+
+    with open(SAMPLE, encoding="utf-8") as f:
+        sample = list(csv_module.DictReader(f))
+    clf = PrefixClassifier(task=tiny_task(calibration=True), loaded=tiny_models["llama"], verify=False)
+    head = fit_head(clf, [r["text"] for r in sample], [r["label"] for r in sample], layers=(-1, 2), folds=3)
+    assert head.layers == (-1, 2) and head.metrics["train_rows"] == 60 and head.trained_on(sample[0]["text"])
+    task = clf.task.replace(scoring="head", head=head, calibration=False)
+    answered = PrefixClassifier(task=task, loaded=tiny_models["llama"], verify=True)
+    assert answered.mode == "head" and answered.classify(["refund please"])[0].label in LABELS
+    with pytest.raises(ValueError, match="labels with no training row"):
+        fit_head(clf, ["a", "b"], ["billing", "technical"])

@@ -9,6 +9,7 @@ schema (`constraints`). Imports the task and model floors only; knows nothing of
 
 from beam_prefix.engines.classifier import Embedding, Prediction, PrefixClassifier
 from beam_prefix.engines.extractor import Extraction, Extractor
+from beam_prefix.engines.head_fitting import fit_head
 from beam_prefix.engines.prefix_engine import PrefixEngine
 
-__all__ = ["PrefixEngine", "PrefixClassifier", "Prediction", "Embedding", "Extractor", "Extraction"]
+__all__ = ["PrefixEngine", "PrefixClassifier", "Prediction", "Embedding", "Extractor", "Extraction", "fit_head"]
