@@ -61,6 +61,9 @@ class FitOptions(PipelineOptions):
         group.add_argument("--layers", default="-1",
                            help="pipelines.fit: hidden-state indices read at each row's last position, comma-"
                                 "separated: -1 (default) the final normalised state; e.g. -1,20 adds layer 20.")
+        group.add_argument("--pooling", default="last", choices=("last", "mean"),
+                           help="pipelines.fit: the hidden states at each row's last position (last, default) or "
+                                "their mean over the row's own (suffix) positions (mean).")
         group.add_argument("--folds", type=int, default=5,
                            help="pipelines.fit: folds of the stratified cross-validation that chooses the "
                                 "regularisation (fewer when a label has fewer rows).")
@@ -159,7 +162,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     embed = EmbedText(task=task, layers=layers, model=o.model, text_column=o.text_column, id_column=o.id_column,
                       dtype=o.dtype, threads=o.torch_threads, batch_size=o.batch_size or 16,
                       min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size, verify=o.verify == "true",
-                      keep_columns=[o.text_column, f.label_column], device=o.device)
+                      keep_columns=[o.text_column, f.label_column], device=o.device, pooling=f.pooling)
     embed.config.check_fits()
     staging = FeatureStaging(o.output)  # on the head's own file system: workers anywhere can deliver
     staging.prepare()
@@ -185,14 +188,14 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         prompts = set(table.column("prompt").to_pylist())
         if len(prompts) != 1:
             raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
-        fingerprint = feature_fingerprint(prompts.pop(), o.dtype, layers)
+        fingerprint = feature_fingerprint(prompts.pop(), o.dtype, layers, f.pooling)
         head = fit_head(features, labels, table.column("hash").to_pylist(), task, layers=layers,
-                        fingerprint=fingerprint, folds=f.folds)
+                        fingerprint=fingerprint, folds=f.folds, pooling=f.pooling)
     finally:
         staging.delete()
     write_head(head, o.output)  # all or nothing
     summary = {"head": o.output, "task": task.name, "rows_used": len(labels), "rows_failed": n_failed,
-               "features": int(features.shape[1]), "layers": list(layers), "features_s": round(features_s, 2),
+               "features": int(features.shape[1]), "layers": list(layers), "pooling": f.pooling, "features_s": round(features_s, 2),
                **{k: v for k, v in head.metrics.items() if k != "per_label_f1"},
                "worst_label_f1": sorted(head.metrics.get("per_label_f1", {}).items(), key=lambda kv: kv[1])[:5]}
     return summary
@@ -225,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _format(s: dict) -> str:
-    lines = [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']})",
+    lines = [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']}, "
+             f"{s.get('pooling', 'last')} pooling)",
              f"rows: {s['rows_used']} used, {s['rows_failed']} failed",
              f"features: {s['features_s']:.1f} s; fit: {s['fit_s']:.1f} s"]
     if s.get("kfold_accuracy") is None:  # a label with one row: nothing to hold out

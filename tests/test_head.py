@@ -34,24 +34,26 @@ def _features_task():
     return tiny_task()  # calibration off, scored the plain way: what features are read after
 
 
-def _head_for(clf: PrefixClassifier, layers=(-1,), seed=0) -> TrainedHead:
+def _head_for(clf: PrefixClassifier, layers=(-1,), seed=0, pooling="last") -> TrainedHead:
     """A head over `clf`'s features (random weights: exactness does not need a good head)."""
     gen = torch.Generator().manual_seed(seed)
     width = len(clf.embed(["x"], layers=layers)[0].features)
     return TrainedHead(labels=clf.task.label_names, layers=layers, weight=torch.randn(3, width, generator=gen),
                        bias=torch.randn(3, generator=gen), mean=torch.randn(width, generator=gen) * 0.1,
                        std=torch.rand(width, generator=gen) + 0.5,
-                       fingerprint=feature_fingerprint(clf.features_fingerprint, torch.float32, layers),
-                       train_hashes=[text_hash(TEXTS[0])])
+                       fingerprint=feature_fingerprint(clf.features_fingerprint, torch.float32, layers, pooling),
+                       train_hashes=[text_hash(TEXTS[0])], pooling=pooling)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("engine", ["shared", "expanded"])
-def test_cached_features_equal_full_reencoding(tiny_models, arch, engine):
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_cached_features_equal_full_reencoding(tiny_models, arch, engine, pooling):
     clf = PrefixClassifier(task=_features_task(), loaded=tiny_models[arch], verify=False, batch_size=7,
                            prefix_attention=engine)
     layers = (-1, 1)
-    cached, full = clf.embed(TEXTS, layers=layers), clf.embed_full(TEXTS, layers=layers)
+    cached = clf.embed(TEXTS, layers=layers, pooling=pooling)
+    full = clf.embed_full(TEXTS, layers=layers, pooling=pooling)
     diff = max(abs(a - b) for c, f in zip(cached, full) for a, b in zip(c.features, f.features))
     assert diff < 1e-4, f"max feature difference {diff:.2e}"
     spread = np.ptp(np.array([c.features for c in cached]), axis=0).max()
@@ -59,18 +61,25 @@ def test_cached_features_equal_full_reencoding(tiny_models, arch, engine):
     assert clf.cache_length() == clf.prefix_length
 
 
-def test_cached_features_equal_full_reencoding_on_the_embedded_model(embedded):
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_cached_features_equal_full_reencoding_on_the_embedded_model(embedded, pooling):
     clf = PrefixClassifier(task=_features_task(), loaded=embedded, verify=False, batch_size=5)
-    cached, full = clf.embed(TEXTS[:9], layers=(-1, 20)), clf.embed_full(TEXTS[:9], layers=(-1, 20))
+    cached = clf.embed(TEXTS[:9], layers=(-1, 20), pooling=pooling)
+    full = clf.embed_full(TEXTS[:9], layers=(-1, 20), pooling=pooling)
     diff = max(abs(a - b) for c, f in zip(cached, full) for a, b in zip(c.features, f.features))
     assert diff < 1e-3, f"max feature difference {diff:.2e}"  # 576 x 2 values per row, fp32
+    if pooling == "mean":  # the mean is not the last position's state
+        last = clf.embed(TEXTS[:9], layers=(-1, 20))
+        assert max(abs(a - b) for c, f in zip(cached, last) for a, b in zip(c.features, f.features)) > 1.0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_sliding", "gpt2"])
-def test_head_scoring_equals_its_reference_and_self_checks(tiny_models, arch):
+@pytest.mark.parametrize("arch,pooling", [("llama", "last"), ("qwen2_sliding", "last"), ("gpt2", "last"),
+                                          ("llama", "mean"), ("mistral_sliding", "mean")])
+def test_head_scoring_equals_its_reference_and_self_checks(tiny_models, arch, pooling):
     loaded = tiny_models[arch]
     base = PrefixClassifier(task=_features_task(), loaded=loaded, verify=False)
-    head = _head_for(base, layers=(-1, 2))
+    head = _head_for(base, layers=(-1, 2), pooling=pooling)
+    assert head.pooling == pooling
     clf = PrefixClassifier(task=base.task.replace(scoring="head", head=head), loaded=loaded, verify=True, batch_size=5)
     assert clf.mode == "head" and clf.label_tokens == 0
     cached = clf.classify_encoded([clf.encode(t) for t in TEXTS], features=True)
@@ -79,7 +88,7 @@ def test_head_scoring_equals_its_reference_and_self_checks(tiny_models, arch):
     # a head is part of what shapes the outputs: the fingerprint differs from the plain task's
     assert clf.fingerprint != base.fingerprint and clf.features_fingerprint == base.fingerprint
     # the features a prediction carries are the row's features, from the same pass
-    embedded = clf.embed(TEXTS, layers=(-1, 2))
+    embedded = clf.embed(TEXTS, layers=(-1, 2), pooling=pooling)
     assert all(np.allclose(p.features, e.features, atol=1e-5) for p, e in zip(cached, embedded))
 
 
@@ -169,11 +178,13 @@ def test_fit_then_classify_through_the_command_line(tiny_dir, tmp_path, capsys):
     the head; rows the head was fit on are left out of the reported accuracy."""
     head = tmp_path / "support.head"
     assert fit.main(["--runner=DirectRunner", "--task=support_tickets", f"--input={SAMPLE}", "--label_column=label",
-                     f"--output={head}", f"--model={tiny_dir}", "--verify=false", "--layers=-1,2", "--folds=3"]) == 0
+                     f"--output={head}", f"--model={tiny_dir}", "--verify=false", "--layers", "-1,2", "--folds=3",
+                     "--pooling=mean"]) == 0
     out = capsys.readouterr().out
     assert f"head written: {head}" in out and "rows: 60 used, 0 failed" in out and "3-fold accuracy" in out
     trained = TrainedHead.load(head)
-    assert trained.layers == (-1, 2) and trained.metrics["train_rows"] == 60 and len(trained.train_hashes) == 60
+    assert trained.layers == (-1, 2) and trained.pooling == "mean"
+    assert trained.metrics["train_rows"] == 60 and len(trained.train_hashes) == 60
     assert set(trained.metrics["per_label_f1"]) == set(LABELS) and trained.metrics["C"] in C_GRID
 
     text = open(SUPPORT_TASK, encoding="utf-8").read().replace("calibration: true", "calibration: false")

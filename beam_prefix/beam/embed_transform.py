@@ -25,6 +25,7 @@ from beam_prefix.model.loading import EMBEDDED
 from beam_prefix.beam.schemas import kept_fields
 from beam_prefix.beam.step import PrefixStep, StepConfig, batching_args, stamp
 from beam_prefix.tasks.task import TaskSpec
+from beam_prefix.tasks.trained_head import POOLINGS
 from beam_prefix.beam.worker import PrefixStepDoFn
 
 __all__ = ["EmbedText", "EmbedConfig", "EmbedDoFn", "EMBEDDED_TAG", "FEATURES_COLUMN", "features_task"]
@@ -50,6 +51,7 @@ class EmbedConfig(StepConfig):
 
     task: TaskSpec = None  # type: ignore[assignment]  (required: checked below)
     layers: tuple[int, ...] = (-1,)
+    pooling: str = "last"  # "mean": over the row's suffix positions (trained_head.POOLINGS)
 
     def __post_init__(self):
         if not isinstance(self.task, TaskSpec):
@@ -58,6 +60,8 @@ class EmbedConfig(StepConfig):
         if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
             raise ValueError(f"layers must be a non-empty sequence of hidden-state indices, got {self.layers!r}")
         object.__setattr__(self, "layers", layers)
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         object.__setattr__(self, "task", features_task(self.task))
         super().__post_init__()
 
@@ -72,7 +76,7 @@ class EmbedConfig(StepConfig):
     def build_engine(self, loaded):
         """A classifier over the task's prompt whose start-up self-check compares features."""
         return PrefixClassifier(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify,
-                                check_layers=self.layers)
+                                check_layers=self.layers, check_pooling=self.pooling)
 
 
 class EmbedDoFn(PrefixStepDoFn):
@@ -82,7 +86,7 @@ class EmbedDoFn(PrefixStepDoFn):
         super().__init__(config, step_name=step_name)
 
     def _call(self, clf: PrefixClassifier, encoded: list) -> list[Embedding]:
-        return clf.embed_encoded(encoded, layers=self.config.layers)
+        return clf.embed_encoded(encoded, layers=self.config.layers, pooling=self.config.pooling)
 
     def _emit(self, clf: PrefixClassifier, config: EmbedConfig, row: dict, result: Embedding, timestamp):
         self._metrics.suffix_tokens_computed.inc(result.suffix_tokens)
@@ -106,6 +110,9 @@ class EmbedText(PrefixStep):
         task: a `TaskSpec` or task file: the prompt the rows are read after.
         layers: hidden-state indices read at each row's last position (default ``(-1,)``,
             the final normalised state; e.g. ``(-1, 20)`` adds layer 20's output).
+        pooling: ``last`` (default) reads them at the row's last position; ``mean``
+            averages them over the row's suffix positions (its text and the template's
+            closing tokens), which a head reads better from (README, Trained heads).
         model, text_column, id_column, dtype, threads, batch_size, min_batch_size,
             max_batch_size, max_batch_duration_secs, max_text_tokens, overflow, verify,
             keep_columns, metadata_prefix, device: as for `ClassifyText`.
@@ -121,12 +128,12 @@ class EmbedText(PrefixStep):
                  max_batch_size: int | None = None, max_batch_duration_secs: float | None = None,
                  max_text_tokens: int | None = None, overflow: str | None = None, verify: bool = True,
                  keep_columns=None, metadata_prefix: str | None = None, device: str = "cpu",
-                 label: str | None = None):
+                 label: str | None = None, pooling: str = "last"):
         spec = task if isinstance(task, TaskSpec) else TaskSpec.from_yaml(task)
         changes = {k: v for k, v in (("max_text_tokens", max_text_tokens), ("overflow", overflow)) if v is not None}
         if changes:
             spec = spec.replace(**changes)
-        super().__init__(EmbedConfig(task=spec, layers=tuple(layers), model=model or spec.model or EMBEDDED,
+        super().__init__(EmbedConfig(task=spec, layers=tuple(layers), pooling=pooling, model=model or spec.model or EMBEDDED,
                                      text_column=text_column, id_column=id_column, dtype=dtype, threads=threads,
                                      batch_size=batch_size, verify=verify, device=device,
                                      keep_columns=None if keep_columns is None else tuple(keep_columns),

@@ -25,7 +25,7 @@ from beam_prefix.tasks.labels import label_token_ids
 from beam_prefix.engines.prefix_engine import VERIFY_PROBES, PrefixEngine
 from beam_prefix.tasks.prompt import EncodedText
 from beam_prefix.tasks.task import TaskSpec
-from beam_prefix.tasks.trained_head import feature_fingerprint
+from beam_prefix.tasks.trained_head import POOLINGS, feature_fingerprint
 
 __all__ = ["PrefixClassifier", "Prediction", "Embedding", "VERIFY_PROBES"]
 
@@ -111,7 +111,8 @@ class PrefixClassifier(PrefixEngine):
             of exhaustive scoring.
         label_tolerance: pruned search's stopping tolerance (default: the task's).
         check_layers: the start-up self-check compares the features at these layers
-            (`verify_features`) instead of the labels: for an engine that only embeds.
+            (`verify_features`) instead of the labels: for an engine that only embeds;
+            `check_pooling` is their pooling.
     """
 
     task_type = TaskSpec
@@ -119,13 +120,14 @@ class PrefixClassifier(PrefixEngine):
     def __init__(self, *, task: TaskSpec, loaded, batch_size: int = 16, max_batch_tokens: int = 8192,
                  verify: bool = True, atol: float | None = None, prefix_attention: str = "auto",
                  label_search: str | None = None, label_tolerance: float | None = None,
-                 check_layers: Sequence[int] | None = None):
+                 check_layers: Sequence[int] | None = None, check_pooling: str = "last"):
         if label_search is not None or label_tolerance is not None:  # validated like the task file
             task = task.replace(**{k: v for k, v in (("label_search", label_search),
                                                        ("label_tolerance", label_tolerance)) if v is not None})
         dtype = next(loaded.model.parameters()).dtype
         self.atol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
         self._check_layers = None if check_layers is None else tuple(check_layers)
+        self._check_pooling = _check_pooling(check_pooling)
         super().__init__(task=task, loaded=loaded, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                          verify=verify, prefix_attention=prefix_attention)
 
@@ -155,7 +157,7 @@ class PrefixClassifier(PrefixEngine):
         if task.head is not None:
             identity = {k: v for k, v in answer.identity.items() if k != "head"}
             fingerprint = feature_fingerprint(layout.fingerprint(model, identity), {"fp32": "float32"}.get(dtype, dtype),
-                                              task.head.layers)
+                                              task.head.layers, task.head.pooling)
             task.head.check(task.label_names, fingerprint, task=task.name, model=f"{model} ({dtype})")
 
     @property
@@ -176,7 +178,8 @@ class PrefixClassifier(PrefixEngine):
         if self.task.head is not None:  # a head reads features of this prompt, model and dtype only
             dtype = next(self.model.parameters()).dtype
             self.task.head.check(self.task.label_names, feature_fingerprint(self.features_fingerprint, dtype,
-                                                                            self.task.head.layers),
+                                                                            self.task.head.layers,
+                                                                            self.task.head.pooling),
                                  task=self.task.name, model=self.model_id)
         self.mode = self.scorer.mode  # "first_token", "sequence" or "head": what a label's score is
         self.label_search = self.scorer.search  # "pruned" or "exhaustive": how much of the trie a row runs
@@ -210,27 +213,34 @@ class PrefixClassifier(PrefixEngine):
         `features`: each `Prediction` also carries the row's features (at no extra cost)."""
         return self._predictions(encoded, self.scorer, features=features)
 
-    def embed(self, texts: Sequence[str], layers: Sequence[int] = (-1,)) -> list["Embedding"]:
-        """Each text's features: its hidden states at its last prompt position, `layers`
-        concatenated (``-1``: the final normalised state); one suffix pass, no labels."""
-        return self.embed_encoded([self.encode(t) for t in texts], layers=layers)
+    def embed(self, texts: Sequence[str], layers: Sequence[int] = (-1,), *, pooling: str = "last") -> list["Embedding"]:
+        """Each text's features: its hidden states at its last prompt position (``mean``
+        `pooling`: their mean over its suffix positions), `layers` concatenated (``-1``: the
+        final normalised state); one suffix pass, no labels."""
+        return self.embed_encoded([self.encode(t) for t in texts], layers=layers, pooling=pooling)
 
-    def embed_encoded(self, encoded: Sequence[EncodedText], *, layers: Sequence[int] = (-1,)) -> list["Embedding"]:
+    def embed_encoded(self, encoded: Sequence[EncodedText], *, layers: Sequence[int] = (-1,),
+                      pooling: str = "last") -> list["Embedding"]:
         """`embed` for already encoded texts."""
+        _check_pooling(pooling)
+
         def run(suffixes):
             return list(self.scorer.features(self.model, self.prefix_cache, suffixes, working=self._working,
-                                             layers=layers).float().cpu())
+                                             layers=layers, pooling=pooling).float().cpu())
 
         vectors = self._each_batch(encoded, 0, run)
         return [Embedding(tuple(v.tolist()), e.text_tokens, e.truncated, len(e.suffix_ids))
                 for v, e in zip(vectors, encoded)]
 
-    def embed_full(self, texts: Sequence[str], layers: Sequence[int] = (-1,)) -> list["Embedding"]:
+    def embed_full(self, texts: Sequence[str], layers: Sequence[int] = (-1,), *,
+                   pooling: str = "last") -> list["Embedding"]:
         """Reference for `embed`: every text's whole prompt re-encoded with no prefix cache."""
+        _check_pooling(pooling)
         out = []
         for text in texts:
             ids, enc = self.layout.encode_full(text)
-            vector = self.scorer.full_features(self.model, ids, layers).float().cpu()
+            vector = self.scorer.full_features(self.model, ids, layers, pooling=pooling,
+                                               suffix_length=len(enc.suffix_ids)).float().cpu()
             out.append(Embedding(tuple(vector.tolist()), enc.text_tokens, enc.truncated, len(ids)))
         return out
 
@@ -244,7 +254,7 @@ class PrefixClassifier(PrefixEngine):
         out = []
         for text in texts:
             ids, enc = self.layout.encode_full(text)
-            out.append(self._prediction(self.scorer.full(self.model, ids), enc, len(ids),
+            out.append(self._prediction(self.scorer.full(self.model, ids, suffix_length=len(enc.suffix_ids)), enc, len(ids),
                                         label_tokens=self.label_tokens))
         return out
 
@@ -279,7 +289,8 @@ class PrefixClassifier(PrefixEngine):
                      len(texts), worst, self.last_check["cached_ms_per_row"], self.last_check["full_ms_per_row"])
         return worst
 
-    def verify_features(self, texts: Iterable[str] = VERIFY_PROBES, layers: Sequence[int] = (-1,)) -> float:
+    def verify_features(self, texts: Iterable[str] = VERIFY_PROBES, layers: Sequence[int] = (-1,), *,
+                        pooling: str = "last") -> float:
         """Check cached features (`embed`) against full re-encoding on `texts`: every value
         within `atol` x the largest magnitude (hidden states are not probabilities).
 
@@ -289,7 +300,8 @@ class PrefixClassifier(PrefixEngine):
             VerificationError: naming the texts whose features differ.
         """
         texts = list(texts)
-        cached, full = self._timed(texts, lambda t: self.embed(t, layers), lambda t: self.embed_full(t, layers))
+        cached, full = self._timed(texts, lambda t: self.embed(t, layers, pooling=pooling),
+                                   lambda t: self.embed_full(t, layers, pooling=pooling))
         diffs = [max(abs(a - b) for a, b in zip(c.features, f.features)) for c, f in zip(cached, full)]
         diffs = [d if math.isfinite(d) else math.inf for d in diffs]  # NaN > tolerance is False
         scale = max(abs(v) for f in full for v in f.features)
@@ -304,7 +316,7 @@ class PrefixClassifier(PrefixEngine):
 
     def _self_check(self) -> None:
         if self._check_layers is not None:
-            self.verify_features(VERIFY_PROBES, self._check_layers)
+            self.verify_features(VERIFY_PROBES, self._check_layers, pooling=self._check_pooling)
         else:
             self.verify(VERIFY_PROBES)
 
@@ -358,6 +370,12 @@ class PrefixClassifier(PrefixEngine):
         _LOGGER.info("calibration over %d content-free texts: %s", len(texts),
                      {n: round(math.exp(v), 3) for n, v in zip(self.task.label_names, vector.tolist())})
         return vector
+
+
+def _check_pooling(pooling: str) -> str:
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    return pooling
 
 
 def _disagreements(texts, cached: Sequence[Prediction], reference: Sequence[Prediction],

@@ -32,7 +32,7 @@ C_GRID = (0.01, 0.1, 1.0, 10.0)  # the regularisation grid (inverse strength) k-
 
 
 def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers: Sequence[int] = (-1,),
-             folds: int = 5) -> TrainedHead:
+             pooling: str = "last", folds: int = 5) -> TrainedHead:
     """A head for `classifier`'s task, prompt, model and dtype, fit on `texts` and their
     `labels` (names of the task's labels; every label needs a row).
 
@@ -46,11 +46,11 @@ def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers:
     if task.head is not None or task.calibration:  # features are read as a plain prompt's
         task = task.replace(scoring="auto", head=None, calibration=False)
     check_labels(task, labels)
-    features = np.asarray([e.features for e in classifier.embed(texts, layers=tuple(layers))], dtype=np.float32)
+    features = np.asarray([e.features for e in classifier.embed(texts, layers=tuple(layers), pooling=pooling)], dtype=np.float32)
     dtype = next(classifier.model.parameters()).dtype
-    fingerprint = feature_fingerprint(classifier.features_fingerprint, dtype, tuple(layers))
+    fingerprint = feature_fingerprint(classifier.features_fingerprint, dtype, tuple(layers), pooling)
     return fit_head_from_features(features, labels, [text_hash(t) for t in texts], task, layers=tuple(layers),
-                                  fingerprint=fingerprint, folds=folds)
+                                  fingerprint=fingerprint, folds=folds, pooling=pooling)
 
 
 def check_labels(task: TaskSpec, labels) -> collections.Counter:
@@ -70,8 +70,8 @@ def check_labels(task: TaskSpec, labels) -> collections.Counter:
     return counts  # every task label has a row, and a task has two or more: two classes at least
 
 
-def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list[int], task: TaskSpec, *, layers, fingerprint: str,
-             folds: int) -> TrainedHead:
+def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list[int], task: TaskSpec, *, layers,
+                           fingerprint: str, folds: int, pooling: str = "last") -> TrainedHead:
     """A multinomial logistic regression on standardised features; the regularisation by
     stratified k-fold cross-validation (accuracy), with the fold accuracy and per-label F1
     of the chosen one in the head's metrics."""
@@ -106,4 +106,4 @@ def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list
     return TrainedHead(labels=names, layers=layers, weight=torch.from_numpy(model.coef_.astype(np.float32)),
                        bias=torch.from_numpy(model.intercept_.astype(np.float32)),
                        mean=torch.from_numpy(mean.astype(np.float32)), std=torch.from_numpy(std.astype(np.float32)),
-                       fingerprint=fingerprint, train_hashes=hashes, metrics=metrics)
+                       fingerprint=fingerprint, train_hashes=hashes, metrics=metrics, pooling=pooling)

@@ -84,26 +84,37 @@ class LabelScorer:
         raise NotImplementedError
 
     def features(self, model, prefix: PrefixCache, suffixes: Sequence[Sequence[int]], *,
-                 working: WorkingCache | None, layers: Sequence[int] = (-1,)) -> torch.Tensor:
-        """Each row's hidden states at its last suffix position, `layers` concatenated:
-        ``[B, H * len(layers)]`` (one suffix pass, no label tokens)."""
+                 working: WorkingCache | None, layers: Sequence[int] = (-1,), pooling: str = "last") -> torch.Tensor:
+        """Each row's features from one suffix pass (no label tokens), `layers` concatenated:
+        ``[B, H * len(layers)]``. `pooling`: ``last``, the hidden states at the row's last
+        suffix position; ``mean``, their mean over the row's suffix positions (its text
+        and the template's closing tokens: the row's own tokens, never the prefix)."""
         step = Step.suffixes(suffixes, prefix.length, self.device)
         rows = torch.arange(len(suffixes), device=self.device)
         with torch.inference_mode():
             with seated(working, len(suffixes)) as cache:
                 states = forward(model, prefix, step, cache=cache, layers=layers)
+            if pooling == "mean":
+                width = states[0].shape[1]
+                real = (torch.arange(width, device=self.device)[None] < step.lengths[:, None]).to(states[0].dtype)
+                weights = real / step.lengths[:, None].to(states[0].dtype)  # [B, Q]: pad columns weigh nothing
+                return torch.cat([torch.einsum("bq,bqh->bh", weights, s) for s in states], dim=-1)
             return torch.cat([s[rows, step.lengths - 1] for s in states], dim=-1)
 
-    def full(self, model, prompt_ids: Sequence[int]) -> torch.Tensor:
-        """The reference raw scores ``[K]`` of one whole prompt, re-encoded with no cache."""
+    def full(self, model, prompt_ids: Sequence[int], *, suffix_length: int | None = None) -> torch.Tensor:
+        """The reference raw scores ``[K]`` of one whole prompt, re-encoded with no cache
+        (`suffix_length`: how many of its last tokens are the row's suffix)."""
         raise NotImplementedError
 
-    def full_features(self, model, prompt_ids: Sequence[int], layers: Sequence[int] = (-1,)) -> torch.Tensor:
+    def full_features(self, model, prompt_ids: Sequence[int], layers: Sequence[int] = (-1,), *,
+                      pooling: str = "last", suffix_length: int | None = None) -> torch.Tensor:
         """The reference of `features` for one whole prompt, re-encoded with no cache:
-        ``[H * len(layers)]``."""
+        ``[H * len(layers)]`` (``mean`` pooling needs `suffix_length`)."""
         with torch.inference_mode():
             states = model.base_model(input_ids=_ids(prompt_ids, self.device), use_cache=False,
                                       output_hidden_states=True).hidden_states
+            if pooling == "mean":
+                return torch.cat([states[i][0, -suffix_length:].mean(0) for i in layers], dim=-1)
             return torch.cat([states[i][0, -1] for i in layers], dim=-1)
 
     def exhaustive(self) -> "LabelScorer":
@@ -138,7 +149,7 @@ class FirstTokenScorer(LabelScorer):
         with torch.inference_mode():
             return Scored(self.head.logits_for(last, self.first_ids), [0] * len(suffixes), last)
 
-    def full(self, model, prompt_ids):
+    def full(self, model, prompt_ids, *, suffix_length=None):
         with torch.inference_mode():
             logits = model(input_ids=_ids(prompt_ids, self.device), use_cache=False).logits[0, -1].float()
             return logits[self.first_ids]
@@ -176,7 +187,7 @@ class TrieScorer(LabelScorer):
                                            trie.edge_token.repeat(batch)).view(batch, n_edges)
             return Scored(trie.label_scores(edge_logits - lse[:, trie.edge_parent]), [t] * batch, last)
 
-    def full(self, model, prompt_ids):
+    def full(self, model, prompt_ids, *, suffix_length=None):
         """One pass over the prompt, then each label's tokens one label at a time on that
         prompt's own cache."""
         ids = _ids(prompt_ids, self.device)
@@ -256,12 +267,15 @@ class HeadScorer(LabelScorer):
         self.trained = task.head
 
     def score(self, model, prefix, suffixes, *, working, calibration):
-        features = self.features(model, prefix, suffixes, working=working, layers=self.trained.layers)
+        features = self.features(model, prefix, suffixes, working=working, layers=self.trained.layers,
+                                 pooling=self.trained.pooling)
         return Scored(self.trained.logits(features), [0] * len(suffixes), features)
 
-    def full(self, model, prompt_ids):
-        """The whole prompt re-encoded with no cache; the head on its last position."""
-        return self.trained.logits(self.full_features(model, prompt_ids, self.trained.layers)[None])[0]
+    def full(self, model, prompt_ids, *, suffix_length=None):
+        """The whole prompt re-encoded with no cache; the head on its features."""
+        return self.trained.logits(self.full_features(model, prompt_ids, self.trained.layers,
+                                                      pooling=self.trained.pooling,
+                                                      suffix_length=suffix_length)[None])[0]
 
 
 def scorer_name(task, label_ids: Sequence[Sequence[int]], prefix_attention: str) -> str:

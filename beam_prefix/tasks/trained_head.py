@@ -29,7 +29,7 @@ import torch
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES"]
+__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS"]
 
 HEAD_METADATA_KEY = "beam_prefix_head"
 _FORMAT = 1
@@ -41,11 +41,18 @@ def text_hash(text: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def feature_fingerprint(prompt_fingerprint: str, dtype: torch.dtype | str, layers: Sequence[int]) -> str:
+POOLINGS = ("last", "mean")  # the row's last suffix position, or the mean over its suffix positions
+
+
+def feature_fingerprint(prompt_fingerprint: str, dtype: torch.dtype | str, layers: Sequence[int],
+                        pooling: str = "last") -> str:
     """What the features depend on: the prompt and model (`prompt_fingerprint`), the
-    weights' dtype and the layers read."""
-    payload = json.dumps({"prompt": prompt_fingerprint, "dtype": str(dtype).replace("torch.", ""),
-                          "layers": list(layers)}, sort_keys=True)
+    weights' dtype, the layers read and how positions are pooled (``last`` is left out of
+    the hash, so heads fit before pooling existed keep their fingerprint)."""
+    data = {"prompt": prompt_fingerprint, "dtype": str(dtype).replace("torch.", ""), "layers": list(layers)}
+    if pooling != "last":
+        data["pooling"] = pooling
+    payload = json.dumps(data, sort_keys=True)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 
@@ -92,13 +99,16 @@ class TrainedHead:
 
     def __init__(self, *, labels: Sequence[str], layers: Sequence[int], weight: torch.Tensor, bias: torch.Tensor,
                  mean: torch.Tensor, std: torch.Tensor, fingerprint: str, train_hashes: Sequence[int] = (),
-                 metrics: dict[str, Any] | None = None, source: str | None = None):
+                 metrics: dict[str, Any] | None = None, source: str | None = None, pooling: str = "last"):
         where = f"head {source!r}" if source else "head"
         self.labels = tuple(labels)
         try:
             self.layers = tuple(operator.index(i) for i in layers)
         except TypeError:
             raise TaskSpecError(f"{where}: layers must be integers, got {list(layers)}") from None
+        if pooling not in POOLINGS:
+            raise TaskSpecError(f"{where}: pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.pooling = pooling
         self.weight, self.bias = weight.float(), bias.float()
         self.mean, self.std = mean.float(), std.float()
         _validate(where, self.labels, self.layers, self.weight, self.bias, self.mean, self.std)
@@ -119,11 +129,13 @@ class TrainedHead:
         h = hashlib.sha256()
         for t in (self.weight, self.bias, self.mean, self.std):
             h.update(t.contiguous().numpy().tobytes())
-        h.update(json.dumps([self.labels, self.layers, self.fingerprint]).encode("utf-8"))
+        h.update(json.dumps([self.labels, self.layers, self.fingerprint]
+                            + ([self.pooling] if self.pooling != "last" else [])).encode("utf-8"))
         return h.hexdigest()[:16]
 
     def __repr__(self) -> str:  # short: tasks holding a head print (and are keyed) by it
-        return f"TrainedHead({self.identity}, {len(self.labels)} labels, layers {list(self.layers)})"
+        pooled = "" if self.pooling == "last" else f", {self.pooling} pooling"
+        return f"TrainedHead({self.identity}, {len(self.labels)} labels, layers {list(self.layers)}{pooled})"
 
     __str__ = __repr__
 
@@ -172,6 +184,8 @@ class TrainedHead:
 
         meta = {"format": _FORMAT, "labels": list(self.labels), "layers": list(self.layers),
                 "fingerprint": self.fingerprint, "metrics": self.metrics}
+        if self.pooling != "last":  # (absent: last, as in files written before pooling existed)
+            meta["pooling"] = self.pooling
         hashes = torch.tensor(sorted(self.train_hashes), dtype=torch.int64, device="cpu")
         save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous(), "mean": self.mean.contiguous(),
                    "std": self.std.contiguous(), "train_hashes": hashes}, os.fspath(path),
@@ -213,7 +227,8 @@ class TrainedHead:
             raise TaskSpecError(f"head file {path!r} is damaged: labels, layers or fingerprint of the wrong type")
         return cls(labels=meta["labels"], layers=meta["layers"], weight=tensors["weight"], bias=tensors["bias"],
                    mean=tensors["mean"], std=tensors["std"], fingerprint=meta["fingerprint"],
-                   train_hashes=tensors["train_hashes"].tolist(), metrics=meta.get("metrics"), source=path)
+                   train_hashes=tensors["train_hashes"].tolist(), metrics=meta.get("metrics"), source=path,
+                   pooling=meta.get("pooling", "last"))
 
 
 def _copy_remote(url: str, target: str) -> str:
