@@ -160,3 +160,37 @@ def test_a_second_pipeline_in_the_process_gets_its_own_pool_bound(tiny_dir, tmp_
     second = classify.run(flags + [f"--output={tmp_path}/b/", "--max_prefix_cache_mb=0.0001"])
     pool = second["prefix_pool"]
     assert pool["builds"] >= 3 and pool["evictions"] >= 1  # its own bound, not the first run's pool
+
+
+# -- item 6: fit's own edges --------------------------------------------------------------------
+
+def test_fit_into_a_missing_folder_cleans_a_killed_fits_staging_and_survives_a_deep_jsonl_line(tiny_dir, tmp_path,
+                                                                                               capsys):
+    import json
+
+    with open(SAMPLE, encoding="utf-8") as f:
+        rows = [{"text": r["text"], "label": r["label"]} for r in csv.DictReader(f)]
+    lines = [json.dumps(r) for r in rows] + ["[" * 100_000 + "]" * 100_000]  # fails as a row, not the launch
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "new" / "folder"
+    out.mkdir(parents=True)
+    stale = out / ".beam-prefix-fit-t.head-20261204-000000-deadbeef"  # what a kill -9 left
+    stale.mkdir()
+    (stale / "features-00000-of-00001.parquet").write_bytes(b"training rows' features")
+    other = out / ".beam-prefix-fit-other.head-20261204-000000-deadbeef"  # another head's: not ours to remove
+    other.mkdir()
+    assert fit.main(["--runner=DirectRunner", f"--input={tmp_path}/in.jsonl", "--label_column=label",
+                     f"--output={out}/t.head", f"--model={tiny_dir}", "--verify=false", "--folds=3"]) == 0
+    assert sorted(os.listdir(out)) == [other.name, "t.head"]  # the stale staging gone, no staging left
+    assert "rows: 60 used, 1 failed" in capsys.readouterr().out
+    fresh = tmp_path / "missing" / "dir"
+    assert fit.main(["--runner=DirectRunner", f"--input={SAMPLE}", "--label_column=label", f"--output={fresh}/t.head",
+                     f"--model={tiny_dir}", "--verify=false", "--folds=3"]) == 0
+    assert os.listdir(fresh) == ["t.head"]
+
+
+def test_fit_with_a_label_of_one_row_says_there_was_no_cross_validation():
+    out = fit._format({"head": "h", "task": "t", "features": 4, "layers": [-1], "rows_used": 4, "rows_failed": 0,
+                       "features_s": 1.0, "fit_s": 0.1, "kfold_accuracy": None, "folds": 0, "C": 1.0,
+                       "note": "a label has a single row: no cross-validation", "worst_label_f1": []})
+    assert "no cross-validation (a label has a single row" in out and "0-fold" not in out and "F1" not in out
