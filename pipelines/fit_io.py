@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import posixpath
 import shutil
 import time
 import uuid
@@ -25,26 +24,16 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
+from pipelines.paths import is_local, join, matches, split
+
 __all__ = ["FeatureStaging", "write_head", "STAGING_PREFIX"]
 
 _LOGGER = logging.getLogger("pipelines.fit")
 STAGING_PREFIX = ".beam-prefix-fit-"
 
 
-def _remote(path: str) -> bool:
-    return "://" in path
-
-
 def _split(path: str) -> tuple[str, str]:
-    if _remote(path):
-        head, _, name = path.rpartition("/")
-        return head, name
-    path = os.path.abspath(path)
-    return os.path.dirname(path), os.path.basename(path)
-
-
-def _join(directory: str, name: str) -> str:
-    return posixpath.join(directory, name) if _remote(directory) else os.path.join(directory, name)
+    return split(path if not is_local(path) else os.path.abspath(path))
 
 
 def _read(path: str) -> bytes:
@@ -62,37 +51,37 @@ class FeatureStaging:
     def __init__(self, output: str):
         self.directory, self.name = _split(output)
         self._prefix = f"{STAGING_PREFIX}{self.name}-"
-        self.path = _join(self.directory, f"{self._prefix}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+        self.path = join(self.directory, f"{self._prefix}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
 
     def prepare(self) -> None:
         """Create the head's folder if missing (as classify does for its outputs) and
         remove what an earlier fit of the same head that was killed left behind."""
-        if not _remote(self.directory):
+        if is_local(self.directory):
             os.makedirs(self.directory, exist_ok=True)
             stale = [os.path.join(self.directory, n) for n in os.listdir(self.directory) if n.startswith(self._prefix)]
         else:
-            stale = sorted({self._folder_of(p) for p in _matches(_join(self.directory, self._prefix + "*"))})
+            stale = sorted({self._folder_of(p) for p in matches(join(self.directory, self._prefix + "*"))})
         for folder in stale:
             _LOGGER.info("removing %s, left by an earlier fit of %s that did not finish", folder, self.name)
             self._delete(folder)
 
     def _folder_of(self, path: str) -> str:
-        return _join(self.directory, path[len(self.directory):].lstrip("/").split("/")[0])
+        return join(self.directory, path[len(self.directory):].lstrip("/").split("/")[0])
 
     @property
     def features(self) -> str:
         """The features' file prefix (a Parquet sink writes ``features-*.parquet``)."""
-        return _join(self.path, "features")
+        return join(self.path, "features")
 
     @property
     def failed(self) -> str:
         """The failed-row count's file prefix (a text sink)."""
-        return _join(self.path, "failed")
+        return join(self.path, "failed")
 
     def read(self) -> tuple[pa.Table, int]:
         """The staged features (one table) and the number of failed rows."""
-        table = pa.concat_tables([pq.read_table(io.BytesIO(_read(p))) for p in sorted(_matches(self.features + "*"))])
-        counts = _matches(self.failed + "*")
+        table = pa.concat_tables([pq.read_table(io.BytesIO(_read(p))) for p in sorted(matches(self.features + "*"))])
+        counts = matches(self.failed + "*")
         return table, sum(int(_read(p).decode("ascii").strip() or 0) for p in counts)
 
     def delete(self) -> None:
@@ -101,29 +90,22 @@ class FeatureStaging:
     @staticmethod
     def _delete(folder: str) -> None:
         try:
-            if not _remote(folder):
+            if is_local(folder):
                 shutil.rmtree(folder, ignore_errors=True)
             else:  # object stores have no folders: delete what lies under the name
-                files = _matches(folder + "/**")
+                files = matches(folder + "/**")
                 if files:
                     FileSystems.delete(files)
         except Exception as e:  # noqa: BLE001 - cleanup must not hide the fit's own result or error
             _LOGGER.warning("could not remove the staging folder %s: %s", folder, e)
 
 
-def _matches(pattern: str) -> list[str]:
-    try:
-        return [m.path for m in FileSystems.match([pattern])[0].metadata_list]
-    except Exception:  # noqa: BLE001 - nothing there
-        return []
-
-
 def write_head(head, output: str) -> None:
     """Write `head` (a `TrainedHead`) to `output`, all or nothing: a temporary file beside
     it, then a rename."""
     directory, name = _split(output)
-    tmp = _join(directory, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
-    if not _remote(output):
+    tmp = join(directory, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+    if is_local(output):
         try:
             head.save(tmp)
             os.chmod(tmp, 0o644)

@@ -36,6 +36,8 @@ import uuid
 
 from apache_beam.io.filesystems import FileSystems
 
+from pipelines.paths import is_local as _local, join as _join, split as _split
+
 __all__ = ["Output", "Staging", "OutputLocationError", "PublishError", "SHARD_TEMPLATE"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -60,23 +62,6 @@ class PublishError(OSError):
     def __init__(self, message: str, final: list[str]):
         super().__init__(message)
         self.final = final
-
-
-def _local(path: str) -> bool:
-    return "://" not in path
-
-
-def _split(path: str) -> tuple[str, str]:
-    """(directory, name) of a local path or a URL (``gs://b/x/y`` -> ``gs://b/x``, ``y``)."""
-    if not _local(path):
-        head, _, name = path.rpartition("/")
-        return head, name
-    head, name = os.path.split(path)
-    return head or ".", name
-
-
-def _join(directory: str, name: str) -> str:
-    return os.path.join(directory, name) if _local(directory) else posixpath.join(directory, name)
 
 
 def _same_dir(a: str, b: str) -> bool:

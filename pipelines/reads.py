@@ -19,10 +19,9 @@ import glob
 import os
 from typing import Iterable, Sequence
 
-from apache_beam.io.filesystems import FileSystems
-
 from beam_prefix.tasks.task_file import read_task_file
 from pipelines.options import SAMPLE_TICKETS, StepOptions
+from pipelines.paths import is_local, matches, split
 from pipelines.publish import Output, OutputLocationError
 
 __all__ = ["Read", "input_reads", "task_reads", "refuse_overlap", "files_of"]
@@ -46,34 +45,20 @@ class Read:
     directory_pattern: bool = False
 
 
-def _remote(path: str) -> bool:
-    return "://" in path
-
-
 def _norm(path: str) -> str:
-    return path if _remote(path) else os.path.realpath(path)
+    return path if not is_local(path) else os.path.realpath(path)
 
 
 def files_of(pattern: str) -> list[str]:
     """The existing files `pattern` names, normalised (local: symbolic links resolved)."""
-    if _remote(pattern):
-        try:
-            return [m.path for m in FileSystems.match([pattern])[0].metadata_list]
-        except Exception:  # noqa: BLE001 - nothing there (or not listable): nothing to overwrite
-            return []
+    if not is_local(pattern):
+        return matches(pattern)  # (nothing there, or not listable: nothing to overwrite)
     return sorted({_norm(p) for p in glob.glob(pattern) if os.path.isfile(p)})
-
-
-def _split(path: str) -> tuple[str, str]:
-    if _remote(path):
-        head, _, name = path.rpartition("/")
-        return head, name
-    return os.path.dirname(path), os.path.basename(path)
 
 
 def _writes(output: Output, file: str) -> bool:
     """`output` would write (or its readers would glob) the existing file `file`."""
-    directory, name = _split(file)
+    directory, name = split(file)
     if output.suffix is None:
         return _norm(output.path) == file
     return _norm(output.directory) == directory and output.reads(name)
@@ -89,7 +74,7 @@ def _head_of(task_file: str) -> str | None:
     head = data.get("head") if isinstance(data, dict) else None
     if not isinstance(head, str) or not head:
         return None
-    return head if os.path.isabs(head) or _remote(head) else os.path.join(os.path.dirname(task_file), head)
+    return head if os.path.isabs(head) or not is_local(head) else os.path.join(os.path.dirname(task_file), head)
 
 
 def input_reads(options) -> list[Read]:
@@ -137,7 +122,7 @@ def refuse_overlap(outputs: Sequence[Output], reads: Iterable[Read]) -> None:
                         f"output path")
         if not read.directory_pattern:
             continue
-        directory, pattern = _split(read.pattern)
+        directory, pattern = split(read.pattern)
         for output in outputs:
             if _norm(output.directory) == _norm(directory) and fnmatch.fnmatchcase(output.example(), pattern):
                 raise OutputLocationError(

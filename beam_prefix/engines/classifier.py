@@ -155,17 +155,29 @@ class PrefixClassifier(PrefixEngine):
                 raise TaskSpecError(f"{what} {list(indices)}: {bad} out of range for model {model}, whose "
                                     f"hidden states are indices -{hidden}..{hidden - 1} ({hidden - 1} layers)")
         if task.head is not None:
-            identity = {k: v for k, v in answer.identity.items() if k != "head"}
-            fingerprint = feature_fingerprint(layout.fingerprint(model, identity), {"fp32": "float32"}.get(dtype, dtype),
-                                              task.head.layers, task.head.pooling)
-            task.head.check(task.label_names, fingerprint, task=task.name, model=f"{model} ({dtype})")
+            cls._check_head(task, layout, answer, model, {"fp32": "float32"}.get(dtype, dtype),
+                            shown=f"{model} ({dtype})")
+
+    @staticmethod
+    def _features_prompt(layout, answer: Answer, model: str) -> str:
+        """The prompt's fingerprint without a head: what features depend on, and what a
+        head fit on them records (`trained_head.feature_fingerprint` adds dtype, layers and
+        pooling)."""
+        return layout.fingerprint(model, {k: v for k, v in answer.identity.items() if k != "head"})
+
+    @classmethod
+    def _check_head(cls, task: TaskSpec, layout, answer: Answer, model: str, dtype, *, shown: str) -> None:
+        """Refuse a head fit for other labels, or on another prompt, model, dtype, layers or
+        pooling (at launch from the configuration, and again when the engine is built)."""
+        head = task.head
+        fingerprint = feature_fingerprint(cls._features_prompt(layout, answer, model), dtype, head.layers,
+                                          head.pooling)
+        head.check(task.label_names, fingerprint, task=task.name, model=shown)
 
     @property
     def features_fingerprint(self) -> str:
-        """The prompt's fingerprint without a head: what features depend on, and what a
-        head fit on them records (`trained_head.feature_fingerprint` adds dtype and layers)."""
-        identity = {k: v for k, v in self._prompt.answer.identity.items() if k != "head"}
-        return self.layout.fingerprint(self.model_id, identity)
+        """`_features_prompt` of this engine's prompt and model."""
+        return self._features_prompt(self.layout, self._prompt.answer, self.model_id)
 
     @classmethod
     def _read_task(cls, source) -> TaskSpec:
@@ -176,11 +188,8 @@ class PrefixClassifier(PrefixEngine):
         self.scorer: LabelScorer = build_scorer(self.task, self.label_ids, self.head,
                                                 prefix_attention=self.prefix_attention)
         if self.task.head is not None:  # a head reads features of this prompt, model and dtype only
-            dtype = next(self.model.parameters()).dtype
-            self.task.head.check(self.task.label_names, feature_fingerprint(self.features_fingerprint, dtype,
-                                                                            self.task.head.layers,
-                                                                            self.task.head.pooling),
-                                 task=self.task.name, model=self.model_id)
+            self._check_head(self.task, self.layout, self._prompt.answer, self.model_id,
+                             next(self.model.parameters()).dtype, shown=self.model_id)
         self.mode = self.scorer.mode  # "first_token", "sequence" or "head": what a label's score is
         self.label_search = self.scorer.search  # "pruned" or "exhaustive": how much of the trie a row runs
         self._calibration: torch.Tensor | None = None
