@@ -53,3 +53,42 @@ def test_beams_keyed_wrapper_around_our_handler_points_to_ours(wrapper):
     from beam_prefix.handler import KeyedPrefixCachedModelHandler
 
     assert KeyedPrefixCachedModelHandler(task=tiny_task()).get_preprocess_fns()
+
+
+def test_each_step_reports_its_own_startup_rows_and_failures(tiny_dir, tmp_path):
+    """ClassifyText, EmbedText and ExtractFields in one pipeline on one model: each step's
+    start-up costs, rows and failures are filed under that step (they were all filed under
+    whichever step ran first, and EmbedText counted no rows)."""
+    import os
+
+    from apache_beam.metrics.metric import MetricsFilter
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    model = str(tmp_path / "model")
+    os.symlink(tiny_dir, model)  # a fresh path: this pipeline loads the model itself
+    rows = [{"text": t} for t in ("refund my card", "the app crashes", "reset my password")] + [{"text": None}]
+    p = beam.Pipeline(options=PipelineOptions(["--direct_running_mode=in_memory"]))
+    created = p | beam.Create(rows)
+    _ = created | "C" >> ClassifyText(task=tiny_task(), model=model)
+    _ = created | "E" >> EmbedText(task=tiny_task(instructions="Read the row."), model=model)
+    _ = created | "X" >> ExtractFields(task=_extract_task(), model=model)
+    result = p.run()
+    result.wait_until_finish()
+    metrics = result.metrics().query(MetricsFilter().with_namespace("beam_prefix"))
+
+    def per_step(kind, name):
+        found = {}
+        for m in metrics[kind]:
+            if m.key.metric.name == name:
+                step = m.key.step.split("/")[0]
+                found[step] = found.get(step, 0) + (m.committed.count if kind == "distributions" else m.committed)
+        return found
+
+    for name in ("startup_prefix_build_ms", "startup_self_check_ms", "self_check_cached_us_per_row"):
+        assert per_step("distributions", name) == {"C": 1, "E": 1, "X": 1}, name
+    assert sum(per_step("distributions", "startup_model_load_ms").values()) == 3  # one load, 3 reports
+    assert per_step("counters", "rows_classified") == {"C": 3}
+    assert per_step("counters", "rows_embedded") == {"E": 3}
+    extracted = per_step("counters", "rows_extracted").get("X", 0)
+    failed = per_step("counters", "rows_failed")
+    assert failed["C"] == 1 and failed["E"] == 1 and extracted + failed["X"] == 4

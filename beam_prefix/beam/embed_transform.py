@@ -90,6 +90,7 @@ class EmbedDoFn(PrefixStepDoFn):
 
     def _emit(self, clf: PrefixClassifier, config: EmbedConfig, row: dict, result: Embedding, timestamp):
         self._metrics.suffix_tokens_computed.inc(result.suffix_tokens)
+        self._metrics.rows_embedded.inc()
         keep = config.keep_columns
         out = dict(row) if keep is None else {c: row.get(c) for c in keep}
         out[FEATURES_COLUMN] = list(result.features)

@@ -51,6 +51,7 @@ class StepMetrics:
 # attribute -> counter name
 COUNTERS = {
     "rows_classified": "rows_classified",
+    "rows_embedded": "rows_embedded",
     "rows_failed": "rows_failed",
     "rows_truncated": "rows_truncated",
     "prefix_tokens_reused": "prefix_tokens_reused",

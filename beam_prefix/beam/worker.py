@@ -64,9 +64,10 @@ class ModelHolder:
         self.pools: dict[str, PrefixPool] = {}  # per step
         self._task_names: set[str] = set()
         self._progress: dict[str, ProgressLog] = {}
-        # start-up costs not yet reported as metrics (setup() runs outside a bundle, where
-        # Beam does not record metrics, so the next process() reports them)
-        self._startup: list[dict[str, float]] = []
+        # per step: start-up costs not yet reported as metrics (setup() runs outside a
+        # bundle, where Beam does not record metrics, so the step's next process() reports
+        # them, under that step's name)
+        self._startup: dict[str, list[dict[str, float]]] = {}
         self._model_load_s = loaded.load_s
 
     def pool(self, step: str, config: StepConfig) -> PrefixPool:
@@ -90,7 +91,7 @@ class ModelHolder:
             base = config.build_engine(self.loaded)
             with self._lock:
                 self.prefix_builds += 1
-                self._startup.append({"model_load_s": self._model_load_s, **base.startup})
+                self._startup.setdefault(step, []).append({"model_load_s": self._model_load_s, **base.startup})
                 self._model_load_s = 0.0  # one load per process, however many tasks
             return base
 
@@ -107,11 +108,11 @@ class ModelHolder:
                 return key
         return "other"
 
-    def take_startup(self) -> list[dict[str, float]]:
-        """Start-up reports not yet taken (each is taken once, by one DoFn)."""
+    def take_startup(self, step: str) -> list[dict[str, float]]:
+        """Step `step`'s start-up reports not yet taken (each is taken once, by one of that
+        step's DoFn instances, so Beam files it under that step)."""
         with self._lock:
-            taken, self._startup = self._startup, []
-        return taken
+            return self._startup.pop(step, [])
 
     def progress_for(self, name: str) -> ProgressLog:
         """One progress line per step and worker process, fed by all its threads."""
@@ -155,7 +156,7 @@ class PrefixStepDoFn(beam.DoFn):
     def _run_rows(self, engine, config: StepConfig, batch: Iterable[Any]):
         """Validate, run (one call) and emit every row of `batch` once, with `engine` (a
         fork of the task's engine) and the task's `config`."""
-        for report in self._holder.take_startup():
+        for report in self._holder.take_startup(self.step_name):
             self._metrics.report_startup(report)
         good, encoded = [], []  # good: (row, its timestamp or None, the config for its columns)
         for element in batch:
