@@ -1,5 +1,5 @@
 """Kept for users' imports: the code lives in `beam_prefix.beam.yaml_provider`."""
 
-from beam_prefix.beam.yaml_provider import ClassifyText, ExtractFields  # noqa: F401
+from beam_prefix.beam.yaml_provider import ClassifyText, EmbedText, ExtractFields  # noqa: F401
 
-__all__ = ['ClassifyText', 'ExtractFields']
+__all__ = ['ClassifyText', 'EmbedText', 'ExtractFields']

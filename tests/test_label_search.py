@@ -3,6 +3,7 @@ probability within 1e-4, on every architecture, batch size, engine, with and wit
 calibration; and it keeps the engine's discipline (batch invariance, nothing left behind
 after a call, also when a forward raises mid-search)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -118,7 +119,8 @@ def test_embedded_self_check_compares_with_both_references(embedded, caplog):
     with caplog.at_level(logging.INFO, logger="beam_prefix.engines.classifier"):
         clf = PrefixClassifier(task=tiny_task(BANKING_LABELS, scoring="sequence"), loaded=embedded, verify=True)
     assert clf.label_search == "pruned"
-    assert any("full re-encoding and exhaustive label search" in r.getMessage() for r in caplog.records)
+    assert any("cached exhaustive scoring == full re-encoding; cached scoring == exhaustive label search"
+               in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.slow
@@ -230,3 +232,30 @@ def test_search_state_is_local_to_the_call(tiny_models):
         for x, y in zip(ref, got):
             assert x.label == y.label and torch.allclose(torch.tensor(list(x.logprobs.values())),
                                                           torch.tensor(list(y.logprobs.values())), atol=1e-5)
+
+
+def test_self_check_allows_the_searchs_own_tolerance_and_still_proves_the_cache(tiny_models, monkeypatch):
+    """With label_tolerance above the self-check's 1e-4, pruned scores may differ from
+    exhaustive ones by up to that tolerance (the search's documented bound): the start-up
+    check accepts that (it failed every such task), while the cache itself is still held
+    to 1e-4 (cached exhaustive scoring == full re-encoding)."""
+    from beam_prefix.errors import VerificationError
+
+    loaded = tiny_models["llama"]
+    task = tiny_task(HARD_LABELS, scoring="sequence", label_search="pruned", label_tolerance=0.2)
+    clf = _classifier(loaded, task=task)
+    pruned, exhaustive = clf.classify(TEXTS), clf.classify_exhaustive(TEXTS)
+    gap = max(abs(p.scores[k] - e.scores[k]) for p, e in zip(pruned, exhaustive) for k in e.scores)
+    assert gap > clf.atol  # the loose search really does differ by more than the check's own tolerance
+    assert clf.verify(TEXTS) <= clf.atol + 0.2
+    PrefixClassifier(task=task, loaded=loaded)  # its self-check at start-up passes
+
+    original = PrefixClassifier.classify_full
+
+    def off(self, texts):  # a reference that the cached exhaustive scores cannot match
+        return [dataclasses.replace(p, scores={k: v * 0.99 for k, v in p.scores.items()})
+                for p in original(self, texts)]
+
+    monkeypatch.setattr(PrefixClassifier, "classify_full", off)
+    with pytest.raises(VerificationError, match="cached exhaustive scoring disagrees with full re-encoding"):
+        clf.verify(TEXTS)

@@ -112,3 +112,78 @@ def test_yaml_chain_classify_then_extract_with_top_k(tiny_dir, tmp_path):
         assert row["model"] == row["extract_model"] == clf.model_id
         assert row["extract_task_version"] == "f1" and "task_version" not in row
         assert row["truncated"] is False and row["extract_truncated"] is False
+
+
+def _csv(path, rows):
+    path.write_text("ticket_id,text,label\n" + "".join(f"{i},{t},{g}\n" for i, t, g in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_yaml_classes_take_every_keyword_of_the_python_transforms():
+    """Parity by construction, checked: each YAML transform's config fields (what Beam YAML
+    reads from its constructor) are the Python transform's keywords plus error_handling."""
+    import inspect
+
+    from beam_prefix import yaml_provider
+    from beam_prefix.beam import classify_transform, embed_transform, extract_transform
+    from apache_beam.yaml.yaml_provider import InlineProvider
+
+    for yaml_cls, python_cls in ((yaml_provider.ClassifyText, classify_transform.ClassifyText),
+                                 (yaml_provider.ExtractFields, extract_transform.ExtractFields),
+                                 (yaml_provider.EmbedText, embed_transform.EmbedText)):
+        python = {n: p.default for n, p in inspect.signature(python_cls.__init__).parameters.items()
+                  if n not in ("self", "label")}
+        fields = [f.name for f in InlineProvider.config_schema_from_callable(yaml_cls).fields]
+        assert sorted(fields) == sorted([*python, "error_handling"]), yaml_cls.__name__
+        for name in ("threads", "min_batch_size", "max_batch_size", "keep_columns", "device"):
+            assert name in fields
+    assert {"output_features", "tasks", "task_column", "label_tolerance"} <= set(
+        inspect.signature(yaml_provider.ClassifyText.__init__).parameters)
+
+
+def test_yaml_embed_example_gives_the_engines_features(tiny_dir, tmp_path):
+    """pipelines/yaml/embed_tickets.yaml (EmbedText: layers, mean pooling, threads, batch
+    sizes) through apache_beam.yaml.main: each row's features are the engine's own."""
+    texts = {"T1": "I was charged twice", "T2": "The app crashes", "T4": "please delete my account"}
+    tickets = _csv(tmp_path / "t.csv", [(k, v, "x") for k, v in texts.items()] + [("T3", "", "x")])
+    out = tmp_path / "out"
+    yaml_main.run(argv=[
+        f"--yaml_pipeline_file={os.path.join(ROOT, 'pipelines', 'yaml', 'embed_tickets.yaml')}",
+        "--runner=DirectRunner", "--jinja_variables=" + json.dumps(
+            {"input": tickets, "output": str(out), "task": TASK, "model": tiny_dir, "layers": [1, -1]})])
+    rows = {r["ticket_id"]: r for r in _read_jsonl(f"{out}/features.json*")}
+    errors = _read_jsonl(f"{out}/embed_errors.json*")
+    assert sorted(rows) == ["T1", "T2", "T4"] and [e["element"]["ticket_id"] for e in errors] == ["T3"]
+    clf = PrefixClassifier(task=TaskSpec.from_yaml(TASK), loaded=load_model(tiny_dir), verify=False)
+    full = dict(zip(texts, clf.embed_full(list(texts.values()), layers=[1, -1], pooling="mean")))
+    for key, row in rows.items():
+        assert sorted(row) == ["features", "model", "prompt_fingerprint", "ticket_id", "truncated"]
+        assert max(abs(a - b) for a, b in zip(row["features"], full[key].features)) < 1e-4
+
+
+def test_yaml_routed_example_classifies_each_row_with_its_task(tiny_dir, tmp_path):
+    """pipelines/yaml/classify_routed.yaml: tasks + task_column, label_tolerance,
+    output_features, threads and batch sizes from YAML; each row gets its queue's task."""
+    support, banking = tmp_path / "support.yaml", tmp_path / "banking.yaml"
+    for path, labels in ((support, ["billing", "technical", "account"]),
+                         (banking, ["card_lost", "card_arrival", "top_up_failed", "refund"])):
+        path.write_text(json.dumps({"name": path.stem, "instructions": "Pick the label of the message.",
+                                    "labels": labels, "calibration": False}))
+    texts = {"T1": "my card never arrived", "T2": "The app crashes", "T3": "a charge I do not know"}
+    tickets = _csv(tmp_path / "t.csv", [(k, v, "x") for k, v in texts.items()])
+    out = tmp_path / "out"
+    yaml_main.run(argv=[
+        f"--yaml_pipeline_file={os.path.join(ROOT, 'pipelines', 'yaml', 'classify_routed.yaml')}",
+        "--runner=DirectRunner", "--jinja_variables=" + json.dumps(
+            {"input": tickets, "output": str(out), "support_task": str(support), "banking_task": str(banking),
+             "model": tiny_dir})])
+    rows = {r["ticket_id"]: r for r in _read_jsonl(f"{out}/routed_labeled.json*")}
+    assert sorted(rows) == ["T1", "T2", "T3"] and _read_jsonl(f"{out}/routed_errors.json*") == []
+    assert {k: r["task"] for k, r in rows.items()} == {"T1": "banking", "T2": "support", "T3": "banking"}
+    loaded = load_model(tiny_dir)
+    for key, row in rows.items():
+        spec = TaskSpec.from_yaml(str(banking if row["task"] == "banking" else support)).replace(label_tolerance=0.001)
+        ref = PrefixClassifier(task=spec, loaded=loaded, verify=False).classify_full([texts[key]])[0]
+        # pruned label search: within its label_tolerance (1e-3) of exhaustive scoring
+        assert row["label"] == ref.label and abs(row["score"] - ref.score) < 1e-4 + 1e-3
+        assert isinstance(row["features"], list) and len(row["features"]) > 0

@@ -19,7 +19,10 @@ and the outputs are addressable as ``ClassifyText.labeled`` and ``ClassifyText.f
 
 ``ExtractFields: beam_prefix.beam.yaml_provider.ExtractFields`` works the same way, with
 outputs ``ExtractFields.extracted`` and ``ExtractFields.failed`` (example:
-``pipelines/yaml/extract_ticket_fields.yaml``).
+``pipelines/yaml/extract_ticket_fields.yaml``), and ``EmbedText`` with ``EmbedText.embedded``
+(``pipelines/yaml/embed_tickets.yaml``). Every keyword of the Python transforms is a config
+field of the same name (``threads``, ``min_batch_size``, ``tasks`` + ``task_column``,
+``output_features``, ``label_tolerance``, ...).
 
 With Beam YAML's ``error_handling: {output: NAME}``, output NAME carries the failed rows
 in YAML's standard error format (``element``: the input row, nested fields as they came,
@@ -37,94 +40,102 @@ arguments: the second step's metadata columns (``truncated``, ``prompt_fingerpri
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar, Mapping, Optional
 
 import apache_beam as beam
 from apache_beam.typehints.row_type import RowTypeConstraint
 
-from beam_prefix.beam.extract_transform import ExtractFields as _ExtractFields
 from beam_prefix.beam.classify_transform import ClassifyText as _ClassifyText
+from beam_prefix.beam.embed_transform import EmbedText as _EmbedText
+from beam_prefix.beam.extract_transform import ExtractFields as _ExtractFields
 
-__all__ = ["ClassifyText", "ExtractFields"]
+__all__ = ["ClassifyText", "ExtractFields", "EmbedText"]
 
 
 class _YamlStep(beam.PTransform):
     """A prefix-cached step for Beam YAML: its outputs, or with ``error_handling`` its main
-    output and YAML's error output."""
+    output and YAML's error output.
+
+    Each subclass names the Python transform it wraps (`python`); its constructor takes
+    every keyword of that transform, same names and defaults (``label`` aside: YAML names
+    steps itself), plus ``error_handling``, so a YAML config cannot fall behind Python's."""
 
     main: ClassVar[str]
+    python: ClassVar[type]
 
-    def __init__(self, step: beam.PTransform, error_handling: Optional[Mapping[str, Any]]):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+
+        def __init__(self, error_handling: Optional[Mapping[str, Any]] = None, **options):
+            _YamlStep.__init__(self, error_handling, **options)
+
+        # Beam YAML reads a transform's config fields from its constructor's signature:
+        # show it the Python transform's keywords (annotations left out: they are strings
+        # and unions Beam's schema inference does not read; values pass through as given)
+        params = [p.replace(annotation=inspect.Parameter.empty)
+                  for name, p in inspect.signature(cls.python.__init__).parameters.items() if name != "label"]
+        params.append(inspect.Parameter("error_handling", inspect.Parameter.KEYWORD_ONLY, default=None))
+        __init__.__signature__ = inspect.Signature(params)
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = __init__
+
+    def __init__(self, error_handling: Optional[Mapping[str, Any]] = None, **options):
         super().__init__()
-        self._step, self._error_output = step, _error_output(error_handling)
+        self._step, self._error_output = type(self).python(**options), _error_output(error_handling)
 
     def expand(self, rows):
         return _outputs(rows, rows | type(self).__name__ >> self._step, self.main, self._error_output)
 
 
 class ClassifyText(_YamlStep):
-    """Classify text rows with a prefix-cached causal LM (see `beam_prefix.beam.classify_transform.ClassifyText`).
+    """Classify text rows with a prefix-cached causal LM: every keyword of
+    `beam_prefix.beam.classify_transform.ClassifyText` (same names and defaults), plus
+    Beam YAML's ``error_handling``. Outputs ``labeled`` and ``failed``.
 
     Args:
-        task: path of a task YAML file.
+        task: path of a task YAML file (or ``tasks`` + ``task_column``: a mapping of key ->
+            task file, or a directory of task files, for a task per row).
         model: ``embedded`` (default: the task's), a model directory, ``.gguf`` or hub id.
         text_column: the column holding the text.
-        id_column: optional id column echoed in failed rows.
-        keep_columns: input columns copied to labelled rows (default: all).
-        top_k: add a ``top_k`` column of the N best labels.
-        prob_columns: one ``prob_<label>`` column per label (default: up to 32 labels).
-        batch_size: rows per forward pass.
-        max_batch_duration_secs: buffer rows across bundles this long (streaming).
-        calibration, label_search, max_text_tokens, overflow, dtype, verify,
-            metadata_prefix, device: as in the task file / `beam_prefix.beam.classify_transform.ClassifyText`.
         error_handling: Beam YAML's ``{output: NAME}``: failed rows go to NAME in YAML's
             error format (instead of ``failed``).
     """
 
-    def __init__(self, task: str, model: Optional[str] = None, text_column: str = "text",
-                 id_column: Optional[str] = None, keep_columns: Optional[list] = None,
-                 top_k: Optional[int] = None, prob_columns: Optional[bool] = None, batch_size: int = 16,
-                 max_batch_duration_secs: Optional[float] = None, calibration: Optional[bool] = None,
-                 label_search: Optional[str] = None, max_text_tokens: Optional[int] = None,
-                 overflow: Optional[str] = None, dtype: str = "float32", verify: bool = True,
-                 metadata_prefix: Optional[str] = None, device: str = "cpu",
-                 error_handling: Optional[Mapping[str, Any]] = None):
-        super().__init__(_ClassifyText(
-            task=task, model=model, text_column=text_column, id_column=id_column, keep_columns=keep_columns,
-            top_k=top_k, prob_columns=prob_columns, batch_size=batch_size,
-            max_batch_duration_secs=max_batch_duration_secs, calibration=calibration, label_search=label_search,
-            max_text_tokens=max_text_tokens, overflow=overflow, dtype=dtype, verify=verify,
-            metadata_prefix=metadata_prefix, device=device), error_handling)
-
+    python = _ClassifyText
     main = "labeled"
 
 
 class ExtractFields(_YamlStep):
-    """Extract typed fields from text rows (see `beam_prefix.beam.extract_transform.ExtractFields`).
+    """Extract typed fields from text rows: every keyword of
+    `beam_prefix.beam.extract_transform.ExtractFields`, plus ``error_handling``. Outputs
+    ``extracted`` and ``failed``.
 
     Args:
         task: path of a task file with ``kind: extract``.
         model: ``embedded`` (default: the task's), a model directory, ``.gguf`` or hub id.
-        text_column, id_column, keep_columns, batch_size, max_batch_duration_secs,
-            max_text_tokens, overflow, dtype, verify: as for `ClassifyText` here.
-        max_new_tokens: override the task's output budget.
-        metadata_prefix, device: as for `beam_prefix.beam.extract_transform.ExtractFields`.
+        text_column: the column holding the text.
         error_handling: Beam YAML's ``{output: NAME}``, as for `ClassifyText` here.
     """
 
-    def __init__(self, task: str, model: Optional[str] = None, text_column: str = "text",
-                 id_column: Optional[str] = None, keep_columns: Optional[list] = None, batch_size: int = 64,
-                 max_batch_duration_secs: Optional[float] = None, max_new_tokens: Optional[int] = None,
-                 max_text_tokens: Optional[int] = None, overflow: Optional[str] = None, dtype: str = "float32",
-                 verify: bool = True, metadata_prefix: Optional[str] = None, device: str = "cpu",
-                 error_handling: Optional[Mapping[str, Any]] = None):
-        super().__init__(_ExtractFields(
-            task=task, model=model, text_column=text_column, id_column=id_column, keep_columns=keep_columns,
-            batch_size=batch_size, max_batch_duration_secs=max_batch_duration_secs, max_new_tokens=max_new_tokens,
-            max_text_tokens=max_text_tokens, overflow=overflow, dtype=dtype, verify=verify,
-            metadata_prefix=metadata_prefix, device=device), error_handling)
-
+    python = _ExtractFields
     main = "extracted"
+
+
+class EmbedText(_YamlStep):
+    """Feature vectors of text rows: every keyword of
+    `beam_prefix.beam.embed_transform.EmbedText`, plus ``error_handling``. Outputs
+    ``embedded`` (a ``features`` column) and ``failed``.
+
+    Args:
+        task: path of a task file: the prompt the rows are read after.
+        layers: hidden-state indices whose states are concatenated (default ``[-1]``).
+        pooling: ``last`` (the row's last position) or ``mean`` (over the row's suffix).
+        error_handling: Beam YAML's ``{output: NAME}``, as for `ClassifyText` here.
+    """
+
+    python = _EmbedText
+    main = "embedded"
 
 
 def _error_output(error_handling: Optional[Mapping[str, Any]]) -> Optional[str]:

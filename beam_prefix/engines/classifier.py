@@ -279,22 +279,30 @@ class PrefixClassifier(PrefixEngine):
         texts = list(texts)
         try:
             cached, full = self._timed(texts, self.classify, self.classify_full)
-            references = [("full re-encoding", full)]
+            # (what, its scores, what they are checked against, tolerance)
+            checks = [("cached scoring", cached, "full re-encoding", full, self.atol)]
             if self.scorer.exhaustive() is not self.scorer:
-                references.append(("exhaustive label search", self.classify_exhaustive(texts)))
+                # pruned search: the cache is proved by cached exhaustive scoring == full
+                # re-encoding; the search by its bound (each probability within
+                # label_tolerance of exhaustive scoring: label_search's docstring)
+                exhaustive = self.classify_exhaustive(texts)
+                checks = [("cached exhaustive scoring", exhaustive, "full re-encoding", full, self.atol),
+                          ("cached scoring", cached, "exhaustive label search", exhaustive,
+                           self.atol + self.task.label_tolerance)]
         except NonFiniteScoreError as e:  # a NaN compares unequal to itself: never a pass
             raise VerificationError(f"the self-check's scores are not numbers: {e}", texts) from e
         worst = 0.0
-        for name, reference in references:
-            bad, diff = _disagreements(texts, cached, reference, self.atol)
+        for what, scores, name, reference, atol in checks:
+            bad, diff = _disagreements(texts, scores, reference, atol)
             worst = max(worst, diff)
             if bad:
                 raise VerificationError(
-                    f"cached scoring disagrees with {name} on {len(bad)} of {len(texts)} "
-                    f"texts (max probability difference {diff:.2e}, tolerance {self.atol:.0e}): "
+                    f"{what} disagrees with {name} on {len(bad)} of {len(texts)} "
+                    f"texts (max probability difference {diff:.2e}, tolerance {atol:.0e}): "
                     f"{[t[:60] for t in bad]}", bad)
-        _LOGGER.info("verify: cached (%s) == %s on %d texts (max diff %.1e); cached %.1f ms/row, "
-                     "full re-encoding %.1f ms/row", self._scoring_words(), " and ".join(name for name, _ in references),
+        _LOGGER.info("verify: cached (%s): %s on %d texts (max diff %.1e); cached %.1f ms/row, "
+                     "full re-encoding %.1f ms/row", self._scoring_words(),
+                     "; ".join(f"{what} == {name}" for what, _, name, _, _ in checks),
                      len(texts), worst, self.last_check["cached_ms_per_row"], self.last_check["full_ms_per_row"])
         return worst
 
