@@ -41,6 +41,7 @@ from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
 from pipelines.fit_io import FeatureStaging, write_head
 from pipelines.launch import explain
+from pipelines.summary import write_json
 from pipelines.options import StepOptions, join_negative_lists, refuse_unknown_flags, task_path
 from pipelines.publish import Output
 from pipelines.reads import input_reads, refuse_overlap, task_reads
@@ -49,6 +50,12 @@ from pipelines.sources import input_format, read_rows, require_columns, input_sc
 __all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
 
 _LOGGER = logging.getLogger("pipelines.fit")
+
+# the shared flags that are about row outputs, which a fit does not write (its one output is
+# the head file): refused when given rather than ignored, so the fit Flex Template's
+# parameters are exactly what the run reads
+NOT_FOR_FIT = ("columns_to_keep", "output_format", "output_table", "failed_output", "failed_output_table",
+               "bigquery_write_method")
 
 
 class FitOptions(PipelineOptions):
@@ -144,12 +151,20 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         raise ValueError(f"--output={o.output!r} is a directory; give the head file's path, e.g. support.head")
     if f.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {f.folds}")
+    defaults = PipelineOptions([]).view_as(StepOptions)
+    given = [name for name in NOT_FOR_FIT if getattr(o, name) != getattr(defaults, name)]
+    if given:
+        raise ValueError(f"--{given[0]} does not apply to pipelines.fit: it writes one head file (--output) "
+                         f"and, with --summary_output, its summary JSON; it writes no rows")
     layers = _layers(f.layers)
     task_file = task_path(o.task or "support_tickets")
     # the head this run writes may replace the one the task names (not read here), never
     # the input or the task file
-    refuse_overlap([Output("--output", o.output)],
-                   input_reads(options) + task_reads(task_file, with_head=False))
+    outputs = [Output("--output", o.output)] + ([Output("--summary_output", o.summary_output)]
+                                                if o.summary_output else [])
+    refuse_overlap(outputs, input_reads(options) + task_reads(task_file, with_head=False))
+    if o.summary_output and o.summary_output == o.output:
+        raise ValueError("--summary_output and --output are the same path: the summary would replace the head")
     task = _task_without_head(task_file)
     if o.bigquery_endpoint:
         bigquery_endpoint.install(bigquery_endpoint.Endpoint(rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
@@ -161,6 +176,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         check_labels(task, launch_labels)  # before any model work
     embed = EmbedText(task=task, layers=layers, model=o.model, text_column=o.text_column, id_column=o.id_column,
                       dtype=o.dtype, threads=o.torch_threads, batch_size=o.batch_size or 16,
+                      max_text_tokens=o.max_text_tokens, overflow=o.overflow,
                       min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size, verify=o.verify == "true",
                       keep_columns=[o.text_column, f.label_column], device=o.device, pooling=f.pooling)
     embed.config.check_fits()
@@ -198,6 +214,8 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
                "features": int(features.shape[1]), "layers": list(layers), "pooling": f.pooling, "features_s": round(features_s, 2),
                **{k: v for k, v in head.metrics.items() if k != "per_label_f1"},
                "worst_label_f1": sorted(head.metrics.get("per_label_f1", {}).items(), key=lambda kv: kv[1])[:5]}
+    if o.summary_output:  # where a Flex Template's launcher output is not at hand
+        write_json(summary, o.summary_output)
     return summary
 
 

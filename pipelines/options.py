@@ -65,7 +65,8 @@ class StepOptions(PipelineOptions):
                              "columns); '*' keeps every input column.")
         io.add_argument("--output", default=None,
                         help="Output path prefix (local or gs://) for labelled (or extracted) rows (default: "
-                             "output/labeled; output/extracted for pipelines.extract).")
+                             "output/labeled; output/extracted for pipelines.extract); for pipelines.fit, the head "
+                             "file to write.")
         io.add_argument("--output_format", default="parquet", choices=OUTPUT_FORMATS,
                         help="File format of --output and --failed_output.")
         io.add_argument("--output_table", default=None,
@@ -78,7 +79,7 @@ class StepOptions(PipelineOptions):
                         help="How BigQuery output is written (DEFAULT: Beam's choice, FILE_LOADS in batch).")
         io.add_argument("--summary_output", default=None,
                         help="Where the run summary JSON goes (default: '<--output>-summary.json'; none "
-                             "with --output_table unless given).")
+                             "with --output_table, or for pipelines.fit, unless given).")
 
         model = parser.add_argument_group("model and task")
         model.add_argument("--task", default=None,

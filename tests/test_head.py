@@ -241,3 +241,44 @@ def test_fit_head_inside_one_program_as_the_readme_shows(tiny_models):
     assert answered.mode == "head" and answered.classify(["refund please"])[0].label in LABELS
     with pytest.raises(ValueError, match="labels with no training row"):
         fit_head(clf, ["a", "b"], ["billing", "technical"])
+
+
+def test_fit_on_the_portable_runners_subprocess_workers_gives_the_direct_runners_head(tiny_dir, tmp_path):
+    """#34.3: the features are computed by worker processes of the portable runner (the
+    path Flink and Dataflow Runner v2 take), staged beside the head where those workers
+    write them, read back by the launcher: the head equals the DirectRunner's, and the
+    summary JSON lands at --summary_output."""
+    import sys
+
+    common = ["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label", f"--model={tiny_dir}",
+              "--verify=false", "--layers=-1,2", "--folds=3"]
+    direct = fit.run(["--runner=DirectRunner", *common, f"--output={tmp_path}/direct/support.head"])
+    portable = fit.run(["--runner=PortableRunner", "--job_endpoint=embed",
+                        "--environment_type=beam:env:harness_subprocess_python:v1",
+                        f"--environment_config={sys.executable} -m apache_beam.runners.worker.sdk_worker_main",
+                        *common, f"--output={tmp_path}/portable/support.head",
+                        f"--summary_output={tmp_path}/portable/fit-summary.json"])
+    a, b = TrainedHead.load(tmp_path / "direct" / "support.head"), TrainedHead.load(tmp_path / "portable" / "support.head")
+    assert (direct["rows_used"], portable["rows_used"]) == (60, 60)
+    assert sorted(a.train_hashes) == sorted(b.train_hashes) and a.fingerprint == b.fingerprint
+    assert a.metrics["C"] == b.metrics["C"] and a.metrics["kfold_accuracy"] == b.metrics["kfold_accuracy"]
+    assert torch.allclose(a.weight, b.weight, atol=1e-3) and torch.allclose(a.mean, b.mean, atol=1e-4)
+    assert json.load(open(tmp_path / "portable" / "fit-summary.json"))["rows_used"] == 60
+    assert sorted(os.listdir(tmp_path / "portable")) == ["fit-summary.json", "support.head"]  # staging removed
+
+
+@pytest.mark.parametrize("flag", ["--output_table=p:d.t", "--failed_output=x/failed", "--output_format=jsonl",
+                                  "--columns_to_keep=text"])
+def test_fit_refuses_the_row_output_flags_it_would_ignore(tmp_path, capsys, flag):
+    code = fit.main(["--runner=DirectRunner", f"--input={SAMPLE}", "--label_column=label",
+                     f"--output={tmp_path}/h.head", flag])
+    assert code == 2 and f"{flag.split('=')[0]} does not apply to pipelines.fit" in capsys.readouterr().err
+
+
+def test_fit_honours_max_text_tokens_and_overflow(tiny_dir, tmp_path):
+    """--max_text_tokens/--overflow were ignored by fit: rows over the budget now fail as
+    they would in classify, and the head is fit on the rest."""
+    summary = fit.run(["--runner=DirectRunner", f"--input={SAMPLE}", "--label_column=label", f"--model={tiny_dir}",
+                       "--verify=false", "--max_text_tokens=12", "--overflow=reject", "--folds=2",
+                       f"--output={tmp_path}/h.head"])
+    assert summary["rows_failed"] > 0 and summary["rows_used"] + summary["rows_failed"] == 60

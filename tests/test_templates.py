@@ -59,6 +59,30 @@ def test_extract_metadata_is_the_extract_pipelines_options():
     assert "COPY templates/launch_extract.py" in docker and (TEMPLATES / "launch_extract.py").exists()
 
 
+def test_fit_metadata_is_the_fit_pipelines_options():
+    """The fit template (#34.3): its parameters are the flags pipelines.fit reads (the
+    row-output flags it refuses are not parameters), with the options' help texts."""
+    from pipelines.fit import NOT_FOR_FIT, FitOptions
+
+    parser = argparse.ArgumentParser()
+    StepOptions._add_argparse_args(parser)
+    FitOptions._add_argparse_args(parser)
+    actions = {a.dest: a for a in parser._actions if a.dest != "help" and a.dest not in NOT_FOR_FIT}
+    with open(TEMPLATES / "fit_metadata.json", encoding="utf-8") as f:
+        params = {p["name"]: p for p in json.load(f)["parameters"]}
+    assert set(params) == set(actions), (set(params) ^ set(actions))
+    for name, p in params.items():
+        assert p["label"] and p["isOptional"] is True and p["helpText"] == actions[name].help, name
+        patterns = [re.compile(r) for r in p["regexes"]]
+        for choice in actions[name].choices or ():
+            assert any(r.fullmatch(str(choice)) for r in patterns), (name, choice)
+    assert any(re.fullmatch(r, "-1,12,24") for r in params["layers"]["regexes"])
+    assert not any(re.fullmatch(r, "1") for r in params["folds"]["regexes"])  # fit refuses < 2
+    assert any(re.fullmatch(r, "banking77_head") for r in params["task"]["regexes"])
+    docker = (TEMPLATES / "Dockerfile").read_text(encoding="utf-8")
+    assert "COPY templates/launch_fit.py" in docker and (TEMPLATES / "launch_fit.py").exists()
+
+
 def test_metadata_regexes_accept_every_choice_and_reject_junk():
     actions = _parser_actions()
     for p in _metadata()["parameters"]:
