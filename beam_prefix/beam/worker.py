@@ -29,6 +29,7 @@ from beam_prefix.errors import RowError
 from beam_prefix.beam.metrics import ProgressLog, StepMetrics
 from beam_prefix.model.loading import LoadedModel, load_model, set_torch_threads
 from beam_prefix.beam.prefix_pool import PoolUse, PrefixPool
+from beam_prefix.beam.thread_choice import ThreadChoice
 from beam_prefix.beam.step import FAILED_TAG, StepConfig, as_dict, failed_record, stamp, text_of, unstamp
 from beam_prefix.beam.step import row_config as row_config_of
 
@@ -39,9 +40,11 @@ _LOGGER = logging.getLogger(__name__)
 # One handle per process: every DoFn that refers to it (any step, any thread) shares
 # the models acquired through it, keyed by tag (model, dtype, device).
 _MODEL_HANDLE = shared.Shared()
-# torch's own count before any step set one: a step without `threads` runs with it, even
-# after another step in this process set its own
+# torch's own count before any step set one (all cores): a step without `threads` chooses
+# between it and one thread by timing its batches (`thread_choice`), one choice per process
+# (torch's count is per process), even after another step in this process set its own
 _DEFAULT_THREADS = torch.get_num_threads()
+THREADS = ThreadChoice(_DEFAULT_THREADS)
 
 
 class ModelHolder:
@@ -172,7 +175,8 @@ class PrefixStepDoFn(beam.DoFn):
                 yield self._failed(config, row, "invalid_row", f"{type(e).__name__}: {e}", "validate", ts)
         if not good:
             return
-        set_torch_threads(config.threads or _DEFAULT_THREADS)  # this step's count (torch's is per process)
+        threads = config.threads or THREADS.pick()  # this step's count (torch's is per process)
+        set_torch_threads(threads)
         start = time.perf_counter()
         try:
             results = self._call(engine, encoded)
@@ -187,6 +191,8 @@ class PrefixStepDoFn(beam.DoFn):
                 except Exception as row_error:
                     results.append(row_error)
         elapsed = time.perf_counter() - start
+        if not config.threads:
+            THREADS.record(threads, elapsed, sum(len(e.suffix_ids) for e in encoded))
         self._metrics.batch_size.update(len(good))
         self._metrics.batch_latency.update(int(elapsed * 1e6))
         for (row, ts, row_config), result in zip(good, results):
