@@ -97,7 +97,8 @@ class StepOptions(PipelineOptions):
                            help="Where each worker places the model: cpu (default), cuda, cuda:N, or auto (a GPU "
                                 "where the worker has one). See the README's GPU workers section.")
         model.add_argument("--torch_threads", type=int, default=None,
-                           help="torch intra-op threads per worker process (default: torch's).")
+                           help="torch intra-op threads per worker process (default: all cores or one thread, "
+                                "whichever its batches run faster with).")
         model.add_argument("--batch_size", type=int, default=None,
                            help="Rows per forward pass (default 16; 64 for pipelines.extract, whose decoding steps cost about the same for 16 rows as for 64).")
         model.add_argument("--min_batch_size", type=int, default=None,

@@ -46,7 +46,8 @@ class ClassifyText(beam.PTransform):
         text_column: column holding the text.
         id_column: optional id column echoed in failed rows.
         dtype: ``float32`` (exact, default), ``bfloat16`` or (on GPUs) ``float16``.
-        threads: torch intra-op threads per worker process.
+        threads: torch intra-op threads per worker process (default None: all cores or
+            one thread, whichever the step's batches run faster with; `beam.thread_choice`).
         min_batch_size, max_batch_size: `beam.BatchElements` bounds (max defaults to
             max(64, 4 x batch_size), min to min(8, max_batch_size)).
         max_batch_duration_secs: buffer rows across bundles for at most this long to

@@ -50,7 +50,9 @@ class StepConfig:
         id_column: optional id column, echoed in failed rows for easy lookup.
         dtype: ``float32`` (exact), ``bfloat16`` or (on GPUs) ``float16``.
         threads: torch intra-op threads while this step runs (torch's count is per
-            process: steps with different counts in one process set it in turn).
+            process: steps with different counts in one process set it in turn); None:
+            all cores or one thread, whichever its batches run faster with
+            (`beam_prefix.beam.thread_choice`).
         batch_size: rows per forward pass (on sdpa models rows run packed, so rows of
             different lengths share a pass without padding).
         verify: run the cached-vs-full self-check when the prefix cache is built.
