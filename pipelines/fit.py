@@ -71,6 +71,10 @@ class FitOptions(PipelineOptions):
         group.add_argument("--pooling", default="last", choices=("last", "mean"),
                            help="pipelines.fit: the hidden states at each row's last position (last, default) or "
                                 "their mean over the row's own (suffix) positions (mean).")
+        group.add_argument("--lexical", default="true", choices=("true", "false"),
+                           help="pipelines.fit: also fit a regression on the rows' word and character n-grams and "
+                                "weigh it beside the hidden states by the same folds (true, default; the folds may "
+                                "give it weight 0, and then the head has none), or not (false).")
         group.add_argument("--folds", type=int, default=5,
                            help="pipelines.fit: folds of the stratified cross-validation that chooses the "
                                 "regularisation (fewer when a label has fewer rows).")
@@ -134,8 +138,10 @@ class _Shape(beam.DoFn):
         self._text, self._label = text_column, label_column
 
     def process(self, row):
+        text = row.get(self._text)
+        text = text.decode("utf-8") if isinstance(text, bytes) else str(text or "")  # (bytes that failed to decode failed)
         yield {"label": "" if row.get(self._label) is None else str(row[self._label]),
-               "hash": text_hash(str(row.get(self._text) or "")), "prompt": row["prompt_fingerprint"],
+               "hash": text_hash(text), "text": text, "prompt": row["prompt_fingerprint"],
                FEATURES_COLUMN: row[FEATURES_COLUMN]}
 
 
@@ -188,7 +194,8 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         result = rows | "EmbedText" >> embed
         _ = (result.embedded | "Shape" >> beam.ParDo(_Shape(o.text_column, f.label_column))
              | "WriteFeatures" >> beam.io.WriteToParquet(
-                 staging.features, pa.schema([("label", pa.string()), ("hash", pa.int64()), ("prompt", pa.string()),
+                 staging.features, pa.schema([("label", pa.string()), ("hash", pa.int64()), ("text", pa.string()),
+                                              ("prompt", pa.string()),
                                               (FEATURES_COLUMN, pa.list_(pa.float32()))]),
                  file_name_suffix=".parquet"))
         failed = ((unparseable, result.failed) | "AllFailed" >> beam.Flatten()
@@ -205,13 +212,17 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         if len(prompts) != 1:
             raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
         fingerprint = feature_fingerprint(prompts.pop(), o.dtype, layers, f.pooling)
+        # (the n-grams read each row's whole text; a row cut at --max_text_tokens is read cut
+        # when classified)
         head = fit_head(features, labels, table.column("hash").to_pylist(), task, layers=layers,
-                        fingerprint=fingerprint, folds=f.folds, pooling=f.pooling)
+                        fingerprint=fingerprint, folds=f.folds, pooling=f.pooling,
+                        texts=table.column("text").to_pylist() if f.lexical == "true" else None)
     finally:
         staging.delete()
     write_head(head, o.output)  # all or nothing
     summary = {"head": o.output, "task": task.name, "rows_used": len(labels), "rows_failed": n_failed,
                "features": int(features.shape[1]), "layers": list(layers), "pooling": f.pooling, "features_s": round(features_s, 2),
+               "lexical_alpha": head.lexical.alpha if head.lexical is not None else 0.0,
                **{k: v for k, v in head.metrics.items() if k != "per_label_f1"},
                "worst_label_f1": sorted(head.metrics.get("per_label_f1", {}).items(), key=lambda kv: kv[1])[:5]}
     if o.summary_output:  # where a Flex Template's launcher output is not at hand
@@ -253,7 +264,10 @@ def _format(s: dict) -> str:
     if s.get("kfold_accuracy") is None:  # a label with one row: nothing to hold out
         lines.append(f"no cross-validation ({s.get('note', 'too few rows per label')}); C={s.get('C')}")
     else:
-        lines.append(f"{s['folds']}-fold accuracy {s['kfold_accuracy']:.1%} at C={s.get('C')}")
+        lines.append(f"{s['folds']}-fold accuracy {s['kfold_accuracy']:.1%} at C={s.get('C')}"
+                     + (f", n-grams weighed {s['lexical_alpha']:g} (hidden states alone: "
+                        f"{s['kfold_accuracy_hidden_states']:.1%})" if s.get("kfold_accuracy_hidden_states") is not None
+                        else ""))
         lines.append("lowest per-label F1: " + ", ".join(f"{n} {v:.2f}" for n, v in s["worst_label_f1"]))
     return "\n".join(lines)
 

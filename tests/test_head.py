@@ -282,3 +282,110 @@ def test_fit_honours_max_text_tokens_and_overflow(tiny_dir, tmp_path):
                        "--verify=false", "--max_text_tokens=12", "--overflow=reject", "--folds=2",
                        f"--output={tmp_path}/h.head"])
     assert summary["rows_failed"] > 0 and summary["rows_used"] + summary["rows_failed"] == 60
+
+
+# -- words beside hidden states (#35) -------------------------------------------------------
+
+def _lexical_rows():
+    """Rows whose label is in their words, not in what a tiny random model makes of them."""
+    import random
+
+    rng = random.Random(7)
+    cues = {"billing": ["invoice", "refund", "charged twice"], "technical": ["crash", "error code", "freezes"],
+            "account": ["password", "login", "username"]}
+    filler = ["please help", "today", "again", "my team says", "since monday", "urgent"]
+    rows = []
+    for label, words in cues.items():
+        for i in range(20):
+            rows.append((f"{rng.choice(filler)} {rng.choice(words)} {rng.choice(filler)} {i}", label))
+    rng.shuffle(rows)
+    return rows
+
+
+def test_a_head_that_reads_words_is_weighed_by_its_folds_and_stays_exact(tiny_models, tmp_path):
+    """fit_head fits the n-gram part and weighs it by the folds (here the words carry the
+    label: a weight > 0 and a better fold accuracy than the hidden states alone); cached
+    == full re-encoding with it (the self-check passes); the file keeps it exactly."""
+    from beam_prefix import fit_head
+
+    loaded = tiny_models["llama"]
+    rows = _lexical_rows()
+    base = PrefixClassifier(task=_features_task(), loaded=loaded, verify=False)
+    head = fit_head(base, [t for t, _ in rows], [g for _, g in rows], layers=(-1,), folds=3)
+    assert head.lexical is not None and head.lexical.alpha in (0.5, 1.0, 2.0)
+    assert head.metrics["kfold_accuracy"] > head.metrics["kfold_accuracy_hidden_states"]
+    assert "n-grams" in repr(head)
+    clf = PrefixClassifier(task=base.task.replace(scoring="head", head=head), loaded=loaded, verify=True, batch_size=4)
+    texts = ["my invoice shows a refund missing", "the app crashes with an error code", "forgot my password"]
+    cached, full = clf.classify(texts), clf.classify_full(texts)
+    assert_same_predictions(cached, full)
+    assert [p.label for p in cached] == ["billing", "technical", "account"]
+    # the evidence is what the head adds: without it the same rows score otherwise
+    plain = PrefixClassifier(task=base.task.replace(scoring="head", head=TrainedHead(
+        labels=head.labels, layers=head.layers, weight=head.weight, bias=head.bias, mean=head.mean, std=head.std,
+        fingerprint=head.fingerprint)), loaded=loaded, verify=False)
+    assert any(abs(a.score - b.score) > 1e-3 for a, b in zip(cached, plain.classify(texts)))
+    head.save(tmp_path / "w.head")
+    again = TrainedHead.load(tmp_path / "w.head")
+    assert again.identity == head.identity and again.lexical.alpha == head.lexical.alpha
+    reread = PrefixClassifier(task=base.task.replace(scoring="head", head=again), loaded=loaded, verify=False)
+    assert [p.scores for p in reread.classify(texts)] == [p.scores for p in cached]
+
+
+def test_words_that_do_not_help_get_no_weight(tiny_models):
+    """Labels the words cannot tell apart (the same texts under every label, in turn): the
+    folds give the n-grams weight 0 and the head has no lexical part."""
+    from beam_prefix import fit_head
+
+    texts = [f"row number {i}" for i in range(30)]
+    labels = [LABELS[i % 3] for i in range(30)]
+    base = PrefixClassifier(task=_features_task(), loaded=tiny_models["llama"], verify=False)
+    head = fit_head(base, texts, labels, folds=3)
+    by_alpha = head.metrics["kfold_accuracy_by_lexical_alpha"]
+    if head.metrics["lexical_alpha"] == 0.0:
+        assert head.lexical is None
+    else:  # (only when the folds found the words better, which they may by chance)
+        assert by_alpha[str(head.metrics["lexical_alpha"])] > by_alpha["0.0"]
+    assert fit_head(base, texts, labels, folds=3, lexical=False).lexical is None
+
+
+def test_damaged_lexical_parts_are_refused(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    from beam_prefix import fit_head
+
+    rows = _lexical_rows()
+    base = PrefixClassifier(task=_features_task(), loaded=tiny_models["llama"], verify=False)
+    head = fit_head(base, [t for t, _ in rows], [g for _, g in rows], folds=3)
+    head.save(tmp_path / "w.head")
+    tensors = load_file(tmp_path / "w.head")
+    with safe_open(tmp_path / "w.head", framework="pt") as f:
+        meta = f.metadata()
+    for name, change, message in (
+            ("lexical_weight", lambda t: t.fill_(float("nan")), "not finite"),
+            ("lexical_word_columns", lambda t: t.fill_(-3), "columns outside"),
+            ("lexical_bias", lambda t: t[:1], "do not fit")):
+        broken = dict(tensors)
+        broken[name] = change(broken[name].clone())
+        save_file(broken, tmp_path / "bad.head", metadata=meta)
+        with pytest.raises(TaskSpecError, match=message):
+            TrainedHead.load(tmp_path / "bad.head")
+    missing = {k: v for k, v in tensors.items() if k != "lexical_char_idf"}
+    save_file(missing, tmp_path / "bad.head", metadata=meta)
+    with pytest.raises(TaskSpecError, match="lacks \\['lexical_char_idf'\\]"):
+        TrainedHead.load(tmp_path / "bad.head")
+
+
+def test_a_two_label_head_fits_and_answers(tiny_models):
+    """scikit-learn gives a two-class regression one row of weights: the head (and its
+    n-gram part) turn it into the two labels' logits, so a 2-label task can have a head."""
+    from beam_prefix import fit_head
+
+    rows = [(t, "billing" if g == "billing" else "other") for t, g in _lexical_rows()]
+    task = tiny_task(("billing", "other"), calibration=False)
+    base = PrefixClassifier(task=task, loaded=tiny_models["llama"], verify=False)
+    head = fit_head(base, [t for t, _ in rows], [g for _, g in rows], folds=3)
+    assert head.weight.shape[0] == 2 and (head.lexical is None or head.lexical.weight.shape[0] == 2)
+    clf = PrefixClassifier(task=task.replace(scoring="head", head=head), loaded=tiny_models["llama"], verify=True)
+    assert clf.classify(["please refund my invoice"])[0].label == "billing"

@@ -263,7 +263,8 @@ class PrefixClassifier(PrefixEngine):
         out = []
         for text in texts:
             ids, enc = self.layout.encode_full(text)
-            out.append(self._prediction(self.scorer.full(self.model, ids, suffix_length=len(enc.suffix_ids)), enc, len(ids),
+            raw = self.scorer.full(self.model, ids, suffix_length=len(enc.suffix_ids))
+            out.append(self._prediction(self._with_words(raw[None], [enc])[0], enc, len(ids),
                                         label_tokens=self.label_tokens))
         return out
 
@@ -355,7 +356,19 @@ class PrefixClassifier(PrefixEngine):
                                   calibration=self._calibration)
             return list(zip(scored.raw, scored.label_tokens, scored.features))
 
-        return self._each_batch(encoded, scorer.label_tokens, run)
+        raw = self._each_batch(encoded, scorer.label_tokens, run)
+        if self.mode != "head" or self.task.head.lexical is None:
+            return raw
+        scores = self._with_words(torch.stack([r for r, _, _ in raw]), encoded)
+        return [(score, n, f) for score, (_, n, f) in zip(scores, raw)]
+
+    def _with_words(self, raw: torch.Tensor, encoded: Sequence[EncodedText]) -> torch.Tensor:
+        """``[B, K]`` head logits plus, for a head that reads words, its lexical evidence on
+        the texts the engine read (`TrainedHead.evidence`); other scores as they are."""
+        if self.mode != "head":
+            return raw
+        evidence = self.task.head.evidence([e.text for e in encoded], raw.device)
+        return raw if evidence is None else raw.float() + evidence
 
     def _normalise(self, raw: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(raw.float(), dim=-1)

@@ -10,8 +10,11 @@
 head will read when it answers), then `fit_head_from_features` fits a multinomial logistic
 regression on standardised features, the regularisation chosen by stratified k-fold
 cross-validation (scikit-learn's `LogisticRegressionCV`), and records the fold accuracy,
-per-label F1 and a hash of every training text. `python -m pipelines.fit` does the same
-with the features computed by a Beam pipeline on any runner.
+per-label F1 and a hash of every training text. With `lexical` (the default) it also fits
+a regression on the rows' word and character n-grams (`lexical_head`) and weighs the two
+by the same folds: the weight (0 drops the n-grams) whose combined out-of-fold answers are
+most often right. `python -m pipelines.fit` does the same with the features computed by a
+Beam pipeline on any runner.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from beam_prefix.tasks.lexical_head import ALPHAS, fit_lexical, softmax_weights
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
 
@@ -32,7 +36,7 @@ C_GRID = (0.01, 0.1, 1.0, 10.0)  # the regularisation grid (inverse strength) k-
 
 
 def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers: Sequence[int] = (-1,),
-             pooling: str = "last", folds: int = 5) -> TrainedHead:
+             pooling: str = "last", folds: int = 5, lexical: bool = True) -> TrainedHead:
     """A head for `classifier`'s task, prompt, model and dtype, fit on `texts` and their
     `labels` (names of the task's labels; every label needs a row).
 
@@ -50,7 +54,8 @@ def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers:
     dtype = next(classifier.model.parameters()).dtype
     fingerprint = feature_fingerprint(classifier.features_fingerprint, dtype, tuple(layers), pooling)
     return fit_head_from_features(features, labels, [text_hash(t) for t in texts], task, layers=tuple(layers),
-                                  fingerprint=fingerprint, folds=folds, pooling=pooling)
+                                  fingerprint=fingerprint, folds=folds, pooling=pooling,
+                                  texts=[classifier.encode(t).text for t in texts] if lexical else None)
 
 
 def check_labels(task: TaskSpec, labels) -> collections.Counter:
@@ -71,10 +76,12 @@ def check_labels(task: TaskSpec, labels) -> collections.Counter:
 
 
 def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list[int], task: TaskSpec, *, layers,
-                           fingerprint: str, folds: int, pooling: str = "last") -> TrainedHead:
+                           fingerprint: str, folds: int, pooling: str = "last",
+                           texts: Sequence[str] | None = None) -> TrainedHead:
     """A multinomial logistic regression on standardised features; the regularisation by
     stratified k-fold cross-validation (accuracy), with the fold accuracy and per-label F1
-    of the chosen one in the head's metrics."""
+    of the chosen one in the head's metrics. With `texts` (each row's text as the engine
+    reads it), the lexical part too, weighed by the same folds (module docstring)."""
     from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
     from sklearn.metrics import f1_score
     from sklearn.model_selection import StratifiedKFold, cross_val_predict
@@ -89,21 +96,36 @@ def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list
     k = min(folds, smallest)
     metrics: dict = {"train_rows": len(y), "rows_per_label_min": smallest}
     start = time.perf_counter()
+    lexical = None
     if k >= 2:
         cv = StratifiedKFold(n_splits=k, shuffle=True, random_state=0)
         search = LogisticRegressionCV(Cs=list(C_GRID), cv=cv, scoring="accuracy", max_iter=2000, l1_ratios=(0.0,),
                                       use_legacy_attributes=False).fit(x, y)
         c = float(np.atleast_1d(search.C_)[0])
-        predicted = cross_val_predict(LogisticRegression(C=c, max_iter=2000), x, y, cv=cv)
+        oof = cross_val_predict(LogisticRegression(C=c, max_iter=2000), x, y, cv=cv, method="predict_log_proba")
+        predicted = oof.argmax(1)
+        if texts is not None:
+            lexical, lexical_oof = fit_lexical(texts, y, len(names), cv=cv)
+            by_alpha = {a: float(((oof + a * lexical_oof).argmax(1) == y).mean()) for a in ALPHAS}
+            alpha = max(ALPHAS, key=lambda a: (by_alpha[a], -a))  # a tie: the fewer n-grams
+            metrics.update(kfold_accuracy_hidden_states=round(by_alpha[0.0], 4),
+                           kfold_accuracy_by_lexical_alpha={str(a): round(v, 4) for a, v in by_alpha.items()},
+                           lexical_alpha=alpha)
+            if alpha > 0:
+                lexical.alpha = alpha
+                predicted = (oof + alpha * lexical_oof).argmax(1)
+            else:
+                lexical = None
         f1 = f1_score(y, predicted, average=None, labels=list(range(len(names))), zero_division=0)
         metrics.update(folds=k, C=c, kfold_accuracy=round(float((predicted == y).mean()), 4),
                        per_label_f1={n: round(float(v), 4) for n, v in zip(names, f1)})
         model = LogisticRegression(C=c, max_iter=2000).fit(x, y)
-    else:  # a label with one row: nothing to cross-validate
+    else:  # a label with one row: nothing to cross-validate (nor to weigh n-grams by)
         model = LogisticRegression(C=1.0, max_iter=2000).fit(x, y)
         metrics.update(folds=0, C=1.0, kfold_accuracy=None, note="a label has a single row: no cross-validation")
     metrics["fit_s"] = round(time.perf_counter() - start, 2)
-    return TrainedHead(labels=names, layers=layers, weight=torch.from_numpy(model.coef_.astype(np.float32)),
-                       bias=torch.from_numpy(model.intercept_.astype(np.float32)),
+    weight, bias = softmax_weights(model, len(names))  # (two labels: sklearn gives one row)
+    return TrainedHead(labels=names, layers=layers, weight=torch.from_numpy(weight), bias=torch.from_numpy(bias),
                        mean=torch.from_numpy(mean.astype(np.float32)), std=torch.from_numpy(std.astype(np.float32)),
-                       fingerprint=fingerprint, train_hashes=hashes, metrics=metrics, pooling=pooling)
+                       fingerprint=fingerprint, train_hashes=hashes, metrics=metrics, pooling=pooling,
+                       lexical=lexical)

@@ -15,6 +15,10 @@ the metadata key ``beam_prefix_head`` a JSON object: the labels in order, the la
 fingerprint of the task's prompt, model and dtype the features came from, the training
 rows, and how well it did in k-fold cross-validation (accuracy, per-label F1, the chosen
 regularisation). A head is only used with the prompt and model it was fit on.
+
+A head may also read the row's words (`lexical_head.LexicalHead`: word and character
+n-grams, tensors ``lexical_*``, its weight ``lexical_alpha`` in the metadata): its
+log-probabilities, times alpha, are added to the hidden-state logits.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from beam_prefix.errors import TaskSpecError
+from beam_prefix.tasks.lexical_head import LexicalHead
 
 __all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS"]
 
@@ -99,7 +104,8 @@ class TrainedHead:
 
     def __init__(self, *, labels: Sequence[str], layers: Sequence[int], weight: torch.Tensor, bias: torch.Tensor,
                  mean: torch.Tensor, std: torch.Tensor, fingerprint: str, train_hashes: Sequence[int] = (),
-                 metrics: dict[str, Any] | None = None, source: str | None = None, pooling: str = "last"):
+                 metrics: dict[str, Any] | None = None, source: str | None = None, pooling: str = "last",
+                 lexical: LexicalHead | None = None):
         where = f"head {source!r}" if source else "head"
         self.labels = tuple(labels)
         try:
@@ -116,6 +122,9 @@ class TrainedHead:
         self.train_hashes = frozenset(int(h) for h in train_hashes)
         self.metrics = dict(metrics or {})
         self.source = source
+        if lexical is not None and lexical.labels != len(self.labels):
+            raise TaskSpecError(f"{where}: its lexical part answers {lexical.labels} labels, the head {len(self.labels)}")
+        self.lexical = lexical
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     @property
@@ -131,11 +140,14 @@ class TrainedHead:
             h.update(t.contiguous().numpy().tobytes())
         h.update(json.dumps([self.labels, self.layers, self.fingerprint]
                             + ([self.pooling] if self.pooling != "last" else [])).encode("utf-8"))
+        if self.lexical is not None:
+            self.lexical.digest(h)
         return h.hexdigest()[:16]
 
     def __repr__(self) -> str:  # short: tasks holding a head print (and are keyed) by it
         pooled = "" if self.pooling == "last" else f", {self.pooling} pooling"
-        return f"TrainedHead({self.identity}, {len(self.labels)} labels, layers {list(self.layers)}{pooled})"
+        words = "" if self.lexical is None else f", n-grams x {self.lexical.alpha:g}"
+        return f"TrainedHead({self.identity}, {len(self.labels)} labels, layers {list(self.layers)}{pooled}{words})"
 
     __str__ = __repr__
 
@@ -143,6 +155,13 @@ class TrainedHead:
         """``[B, F]`` features -> ``[B, K]`` logits (fp32, on the features' device)."""
         weight, bias, mean, std = self._tensors(features.device)
         return ((features.float() - mean) / std) @ weight.T + bias
+
+    def evidence(self, texts: Sequence[str], device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """``[B, K]`` what the lexical part adds to `logits` for rows with these texts (the
+        texts the engine read), or None for a head without one."""
+        if self.lexical is None:
+            return None
+        return self.lexical.evidence(texts).to(device)
 
     def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         if device not in self._on:  # copied once per device; a race only copies twice
@@ -186,9 +205,13 @@ class TrainedHead:
                 "fingerprint": self.fingerprint, "metrics": self.metrics}
         if self.pooling != "last":  # (absent: last, as in files written before pooling existed)
             meta["pooling"] = self.pooling
+        tensors = {}
+        if self.lexical is not None:
+            meta["lexical_alpha"] = self.lexical.alpha
+            tensors = {k: t.contiguous() for k, t in self.lexical.tensors().items()}
         hashes = torch.tensor(sorted(self.train_hashes), dtype=torch.int64, device="cpu")
         save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous(), "mean": self.mean.contiguous(),
-                   "std": self.std.contiguous(), "train_hashes": hashes}, os.fspath(path),
+                   "std": self.std.contiguous(), "train_hashes": hashes, **tensors}, os.fspath(path),
                   metadata={HEAD_METADATA_KEY: json.dumps(meta, sort_keys=True)})
 
     @classmethod
@@ -225,10 +248,16 @@ class TrainedHead:
         if not isinstance(meta["labels"], list) or not isinstance(meta["layers"], list) \
                 or not isinstance(meta["fingerprint"], str):
             raise TaskSpecError(f"head file {path!r} is damaged: labels, layers or fingerprint of the wrong type")
+        lexical = None
+        if "lexical_alpha" in meta:
+            alpha = meta["lexical_alpha"]
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+                raise TaskSpecError(f"head file {path!r} is damaged: lexical_alpha {alpha!r} is not a number")
+            lexical = LexicalHead.from_tensors(tensors, alpha, where=f"head file {path!r}")
         return cls(labels=meta["labels"], layers=meta["layers"], weight=tensors["weight"], bias=tensors["bias"],
                    mean=tensors["mean"], std=tensors["std"], fingerprint=meta["fingerprint"],
                    train_hashes=tensors["train_hashes"].tolist(), metrics=meta.get("metrics"), source=path,
-                   pooling=meta.get("pooling", "last"))
+                   pooling=meta.get("pooling", "last"), lexical=lexical)
 
 
 def _copy_remote(url: str, target: str) -> str:
