@@ -343,10 +343,15 @@ class PrefixClassifier(PrefixEngine):
     def _predictions(self, encoded: Sequence[EncodedText], scorer: LabelScorer, *,
                      features: bool = False) -> list[Prediction]:
         raw = self._raw_cached(encoded, scorer)
-        out = []
-        for (r, n, f), e in zip(raw, encoded):
-            pred = self._prediction(r, e, len(e.suffix_ids) + n, label_tokens=n)
-            out.append(dataclasses.replace(pred, features=tuple(f.float().tolist())) if features else pred)
+        if not raw:
+            return []
+        # every row's scores normalised together and copied to the host once (and the
+        # features once): no per-row device round trip, whatever the batch's size
+        logp = self._normalise(torch.stack([r for r, _, _ in raw]))
+        vectors = torch.stack([f for _, _, f in raw]).float().cpu().tolist() if features else None
+        out = self._from_logprobs(logp, raw, encoded, [len(e.suffix_ids) + n for (_, n, _), e in zip(raw, encoded)])
+        if vectors is not None:
+            out = [dataclasses.replace(p, features=tuple(v)) for p, v in zip(out, vectors)]
         return out
 
     def _raw_cached(self, encoded: Sequence[EncodedText], scorer: LabelScorer) -> list[tuple]:
@@ -371,22 +376,33 @@ class PrefixClassifier(PrefixEngine):
         return raw if evidence is None else raw.float() + evidence
 
     def _normalise(self, raw: torch.Tensor) -> torch.Tensor:
+        """``[..., K]`` raw scores -> calibrated label log-probabilities (fp32)."""
         logp = torch.log_softmax(raw.float(), dim=-1)
         if self._calibration is not None:
             logp = torch.log_softmax(logp - self._calibration, dim=-1)
         return logp
 
     def _prediction(self, raw: torch.Tensor, enc: EncodedText, computed: int, *, label_tokens: int) -> Prediction:
-        logp = self._normalise(raw)
-        probs, logs = logp.exp().tolist(), logp.tolist()
-        if any(math.isnan(v) for v in logs):  # (log-softmax is never +inf; NaN is what breaks)
-            raise NonFiniteScoreError(f"the {'head' if self.mode == 'head' else 'model'} gave this row's labels "
-                                      f"scores that are not numbers ({raw.float().tolist()[:4]}...)")
+        """One row's `Prediction` from its raw scores ``[K]`` (the no-cache reference's path)."""
+        return self._from_logprobs(self._normalise(raw[None]), [(raw, label_tokens, None)], [enc], [computed])[0]
+
+    def _from_logprobs(self, logp: torch.Tensor, raw: Sequence[tuple], encoded: Sequence[EncodedText],
+                       computed: Sequence[int]) -> list[Prediction]:
+        """``[B, K]`` log-probabilities (one host copy) -> each row's `Prediction`; `raw`:
+        each row's (raw scores, label tokens run, features)."""
+        rows = logp.tolist()
         names = self.task.label_names
-        best = max(range(len(names)), key=logs.__getitem__)
-        return Prediction(label=names[best], score=probs[best], scores=dict(zip(names, probs)),
-                          suffix_tokens=computed, logprobs=dict(zip(names, logs)),
-                          text_tokens=enc.text_tokens, truncated=enc.truncated, label_tokens=label_tokens)
+        out = []
+        for logs, (r, n, _), enc, done in zip(rows, raw, encoded, computed):
+            if any(math.isnan(v) for v in logs):  # (log-softmax is never +inf; NaN is what breaks)
+                raise NonFiniteScoreError(f"the {'head' if self.mode == 'head' else 'model'} gave this row's labels "
+                                          f"scores that are not numbers ({r.float().tolist()[:4]}...)")
+            probs = [math.exp(v) for v in logs]
+            best = max(range(len(names)), key=logs.__getitem__)
+            out.append(Prediction(label=names[best], score=probs[best], scores=dict(zip(names, probs)),
+                                  suffix_tokens=done, logprobs=dict(zip(names, logs)),
+                                  text_tokens=enc.text_tokens, truncated=enc.truncated, label_tokens=n))
+        return out
 
     def _calibration_vector(self, texts: Sequence[str]) -> torch.Tensor:
         """Mean label log-probabilities of content-free inputs, through the same cache."""

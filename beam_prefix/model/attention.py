@@ -129,6 +129,15 @@ class Packing:
         counts = torch.tensor([0] + [int(c.shape[0]) for c in columns], dtype=torch.long, device=index.device)
         return cls(index=index, offsets=counts.cumsum(0), width=width)
 
+    @classmethod
+    def of_real(cls, real: torch.Tensor) -> "Packing":
+        """From the padded layout's ``[B, Q]`` bool of real tokens, with one host
+        synchronisation for the whole batch (the packed length), not one per row."""
+        width = int(real.shape[1])
+        index = real.reshape(-1).nonzero().squeeze(1)
+        offsets = torch.cat([real.new_zeros(1, dtype=torch.long), real.sum(1).cumsum(0)])
+        return cls(index=index, offsets=offsets, width=width)
+
     @property
     def rows(self) -> int:
         return int(self.offsets.shape[0]) - 1

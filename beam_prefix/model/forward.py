@@ -165,8 +165,7 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
     every = layers is not None and tuple(layers) != (-1,)  # the model's hidden states, not only the last
     if cache is None:
         masks = _masks(model, prefix, step, call, shared=True)
-        columns = torch.arange(step.ids.shape[1], device=step.ids.device)
-        packing = Packing.of([columns[r] for r in step.real], step.ids.shape[1])
+        packing = Packing.of_real(step.real)
         out = model.base_model(input_ids=packing.pack(step.ids), attention_mask=masks,
                                position_ids=packing.pack(step.positions), use_cache=False,
                                output_hidden_states=every, **prefix_kwargs(prefix.layers, packing, call))
