@@ -47,7 +47,7 @@ def test_matches_sdpa_over_the_concatenation(heads, kv, prefix_columns, chunk, f
         seen[:, :, 3:, :4] = False
         mask = torch.cat([seen, new], -1)
     # every column of the padded layout run as a token (a dense packing: the layout as it is)
-    packing = attention.Packing.of([torch.arange(q)] * batch, q)
+    packing = attention.Packing.of_real(torch.ones(batch, q, dtype=torch.bool))
     assert packing.dense
 
     def flat(t):  # [B, heads, q, D] -> [1, heads, B*q, D]
@@ -68,7 +68,7 @@ def test_one_row_runs_plain_sdpa_and_equals_the_two_part_softmax(heads, kv, monk
     key, value = torch.randn(2, 1, kv, q, d, generator=gen)
     pk, pv = torch.randn(2, 1, kv, p, d, generator=gen)
     mask = torch.tril(torch.ones(q, q, dtype=torch.bool))[None, None]
-    packing = attention.Packing.of([torch.arange(q)], q)
+    packing = attention.Packing.of_real(torch.ones(1, q, dtype=torch.bool))
     two_part = attention._attend_packed(query, key, value, mask, pk, pv, 0.3, packing, None)
 
     def refuse(*args, **kwargs):
@@ -111,7 +111,7 @@ def test_packed_batch_matches_sdpa_on_its_real_tokens(heads, kv, prefix_columns,
         seen = torch.ones(batch, 1, q, p, dtype=torch.bool)
         seen[:, :, 3:, :4] = False
         mask = torch.cat([seen, mask], -1)
-    packing = attention.Packing.of([torch.arange(n) for n in lengths], q)
+    packing = attention.Packing.of_real(real)
     # garbage at the pad columns must not leak into any real token
     noisy = [torch.where(real[:, None, :, None], x, torch.full_like(x, 1e4)) for x in (query, key, value)]
     packed = [packing.pack(x.transpose(1, 2)).transpose(1, 2) for x in noisy]  # [1, heads, T, d]

@@ -51,10 +51,9 @@ class ThreadChoice:
         """The thread count for the next batch."""
         with self._lock:
             self._batches += 1
-            if self._next_probe is None:  # each timed twice before any choice
-                for count in self.candidates:
-                    if len(self._costs[count]) < 2:
-                        return count
+            unmeasured = self._unmeasured()
+            if unmeasured is not None:
+                return unmeasured
             best = self._best()
             if self._last_best is not None and best != self._last_best:
                 self._gap = self.probe_every  # the load changed: look again soon
@@ -83,9 +82,16 @@ class ThreadChoice:
     def chosen(self) -> int | None:
         """The count now preferred, None while still measuring."""
         with self._lock:
-            if self._next_probe is None and any(len(q) < 2 for q in self._costs.values()):
-                return None
-            return self._best()
+            return None if self._unmeasured() is not None else self._best()
+
+    def _unmeasured(self) -> int | None:
+        """While first measuring (each count timed twice before any choice): the count to
+        time next; None once measured (later probes may leave a count one time only)."""
+        if self._next_probe is None:
+            for count in self.candidates:
+                if len(self._costs[count]) < 2:
+                    return count
+        return None
 
     def _best(self) -> int:
         return min(self.candidates, key=lambda c: statistics.median(self._costs[c]))

@@ -347,7 +347,7 @@ class PrefixClassifier(PrefixEngine):
             return []
         # every row's scores normalised together and copied to the host once (and the
         # features once): no per-row device round trip, whatever the batch's size
-        logp = self._normalise(torch.stack([r for r, _, _ in raw]))
+        logp = self._normalise(self._with_words(torch.stack([r for r, _, _ in raw]), encoded))
         vectors = torch.stack([f for _, _, f in raw]).float().cpu().tolist() if features else None
         out = self._from_logprobs(logp, raw, encoded, [len(e.suffix_ids) + n for (_, n, _), e in zip(raw, encoded)])
         if vectors is not None:
@@ -361,11 +361,7 @@ class PrefixClassifier(PrefixEngine):
                                   calibration=self._calibration)
             return list(zip(scored.raw, scored.label_tokens, scored.features))
 
-        raw = self._each_batch(encoded, scorer.label_tokens, run)
-        if self.mode != "head" or self.task.head.lexical is None:
-            return raw
-        scores = self._with_words(torch.stack([r for r, _, _ in raw]), encoded)
-        return [(score, n, f) for score, (_, n, f) in zip(scores, raw)]
+        return self._each_batch(encoded, scorer.label_tokens, run)
 
     def _with_words(self, raw: torch.Tensor, encoded: Sequence[EncodedText]) -> torch.Tensor:
         """``[B, K]`` head logits plus, for a head that reads words, its lexical evidence on

@@ -50,12 +50,14 @@ def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers:
     if task.head is not None or task.calibration:  # features are read as a plain prompt's
         task = task.replace(scoring="auto", head=None, calibration=False)
     check_labels(task, labels)
-    features = np.asarray([e.features for e in classifier.embed(texts, layers=tuple(layers), pooling=pooling)], dtype=np.float32)
+    encoded = [classifier.encode(t) for t in texts]  # once: the features and the n-grams read the same text
+    features = np.asarray([e.features for e in classifier.embed_encoded(encoded, layers=tuple(layers), pooling=pooling)],
+                          dtype=np.float32)
     dtype = next(classifier.model.parameters()).dtype
     fingerprint = feature_fingerprint(classifier.features_fingerprint, dtype, tuple(layers), pooling)
     return fit_head_from_features(features, labels, [text_hash(t) for t in texts], task, layers=tuple(layers),
                                   fingerprint=fingerprint, folds=folds, pooling=pooling,
-                                  texts=[classifier.encode(t).text for t in texts] if lexical else None)
+                                  texts=[e.text for e in encoded] if lexical else None)
 
 
 def check_labels(task: TaskSpec, labels) -> collections.Counter:

@@ -123,13 +123,6 @@ class Packing:
     width: int
 
     @classmethod
-    def of(cls, columns: Sequence[torch.Tensor], width: int) -> "Packing":
-        """From each row's real columns (``[n_i]`` long, ascending) in a ``width``-wide layout."""
-        index = torch.cat([c + i * width for i, c in enumerate(columns)])
-        counts = torch.tensor([0] + [int(c.shape[0]) for c in columns], dtype=torch.long, device=index.device)
-        return cls(index=index, offsets=counts.cumsum(0), width=width)
-
-    @classmethod
     def of_real(cls, real: torch.Tensor) -> "Packing":
         """From the padded layout's ``[B, Q]`` bool of real tokens, with one host
         synchronisation for the whole batch (the packed length), not one per row."""
