@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from beam_prefix.model.attention import SHARED_SDPA, Packing, prefix_kwargs
+from beam_prefix.model.early_exit import exit_depth, shallow
 from beam_prefix.model.prefix_cache import PrefixCache, WorkingCache
 
 __all__ = ["Step", "CallState", "forward", "seated"]
@@ -158,15 +159,21 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
     Otherwise `cache` is a working cache seated on the expanded prefix (and holding the
     call's earlier tokens, if any), and this step's tokens are appended to it.
     With `call`, the step sees the call's earlier tokens through `step.see_past` and
-    becomes part of them when it returns.
+    becomes part of them when it returns. With `layers` that end before the last layer, only
+    the layers up to the deepest of them run (`early_exit`).
     """
     if call is not None and call.length and step.see_past is None:
         raise ValueError("the call has earlier tokens: the step must say which it sees (see_past)")
     every = layers is not None and tuple(layers) != (-1,)  # the model's hidden states, not only the last
+    base = model.base_model
+    depth = exit_depth(model.config, layers)
+    if depth is not None:
+        base = shallow(base, depth)  # its hidden states are indexed 0..depth
+        layers = [i % (model.config.get_text_config().num_hidden_layers + 1) for i in layers]
     if cache is None:
         masks = _masks(model, prefix, step, call, shared=True)
         packing = Packing.of_real(step.real)
-        out = model.base_model(input_ids=packing.pack(step.ids), attention_mask=masks,
+        out = base(input_ids=packing.pack(step.ids), attention_mask=masks,
                                position_ids=packing.pack(step.positions), use_cache=False,
                                output_hidden_states=every, **prefix_kwargs(prefix.layers, packing, call))
         unpack = packing.unpack
@@ -177,7 +184,7 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
                                           device=step.ids.device), step.real.long()], dim=1)
         else:
             masks = _masks(model, prefix, step, call, shared=False)
-        out = model.base_model(input_ids=step.ids, attention_mask=masks, position_ids=step.positions,
+        out = base(input_ids=step.ids, attention_mask=masks, position_ids=step.positions,
                                cache=cache, use_cache=True, output_hidden_states=every)
         unpack = _as_is
     if call is not None:
