@@ -6,6 +6,7 @@ batched decode's bookkeeping (finished rows, positions, each row's own earlier t
 is exercised where a mistake would change tokens.
 """
 
+import functools
 import json
 
 import pytest
@@ -114,7 +115,11 @@ def test_load_task_reads_either_kind(tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch_size", [1, 3, 17])
-def test_cached_decoding_equals_full(tiny_models, arch, batch_size):
+@pytest.mark.parametrize("pick", ["host", "device"])
+def test_cached_decoding_equals_full(tiny_models, arch, batch_size, pick, monkeypatch):
+    # `device`: the accelerators' way (whole-vocabulary masks and argmax on the model's device)
+    monkeypatch.setattr("beam_prefix.engines.extractor.decode_cached",
+                        functools.partial(decoding.decode_cached, pick=pick))
     ex = _extractor(tiny_models[arch], batch_size=batch_size)
     assert ex.prefix_attention == "shared"
     cached = ex.extract(TEXTS)
@@ -134,7 +139,10 @@ def test_expanded_engine_decoding_equals_full(tiny_models, arch):
     assert ex.cache_length() == ex.prefix_length
 
 
-def test_embedded_cached_decoding_equals_full(embedded):
+@pytest.mark.parametrize("pick", ["host", "device"])
+def test_embedded_cached_decoding_equals_full(embedded, pick, monkeypatch):
+    monkeypatch.setattr("beam_prefix.engines.extractor.decode_cached",
+                        functools.partial(decoding.decode_cached, pick=pick))
     ex = _extractor(embedded, batch_size=3, task=extract_task(max_new_tokens=48))
     texts = ["Refund invoice INV-22 please, I was charged by mistake", "how do I change my email?",
              "URGENT: the app has crashed on 2024-05-01 for our 12 seats", "ok"]

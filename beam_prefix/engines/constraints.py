@@ -112,6 +112,22 @@ class RowMatchers:
             out.append(int(masked[i].argmax()))
         return out
 
+    def choose_batch(self, logits: torch.Tensor, rows: Sequence[int]) -> list[int]:
+        """`argmax` for logits ``[R, V]`` on any device (after `fill`), the whole batch at once
+        on that device: the rows' packed masks ``[R, V / 32]`` go to it in one copy, are
+        unpacked and applied there, and the chosen ids come back in one copy (no per-row
+        host work: the path for accelerators, where the logits never visit the host)."""
+        device = logits.device
+        packed = torch.from_numpy(self._bitmask[list(rows)]).to(device, non_blocking=True)  # int32
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        allowed = ((packed[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+        best = logits.float().masked_fill(~allowed, float("-inf")).max(-1)
+        tokens, ok = torch.stack([best.indices, torch.isfinite(best.values).long()]).tolist()
+        for r, fine in zip(rows, ok):
+            if not fine:
+                raise RuntimeError(f"the output schema allows no token here: {self._matchers[r].get_error()}")
+        return tokens
+
     def stopped(self, row: int) -> bool:
         return bool(self._matchers[row].is_stopped())
 

@@ -44,9 +44,17 @@ class Decoded:
 
 def decode_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequence[Sequence[int]],
                   matchers: RowMatchers, max_new_tokens: int, *,
-                  working: WorkingCache | None = None) -> list[Decoded]:
-    """Greedy constrained decoding for each suffix (row r uses matcher r), batched."""
+                  working: WorkingCache | None = None, pick: str = "auto") -> list[Decoded]:
+    """Greedy constrained decoding for each suffix (row r uses matcher r), batched.
+
+    `pick`: how a step's tokens are chosen; ``host`` scores only the allowed tokens of rows
+    with few of them (`_choose`: the CPU's way, it saves most of the vocabulary matmul),
+    ``device`` masks the whole vocabulary's logits and takes their argmax on the model's
+    device with one copy back per step (`RowMatchers.choose_batch`: an accelerator's way);
+    ``auto``: ``host`` on the CPU, else ``device``. Both give the same tokens. Each step's
+    masks are computed while the device runs that step's forward (launched first)."""
     device = head.weight.device
+    on_device = {"auto": torch.device(device).type != "cpu", "device": True, "host": False}[pick]
     step = Step.suffixes(suffixes, prefix.length, device)
     batch = step.ids.shape[0]
     ends = prefix.length + step.lengths  # position of each row's first generated token
@@ -56,10 +64,14 @@ def decode_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequen
     with torch.inference_mode():
         with seated(working, batch, plain=True) as cache:
             hidden = forward(model, prefix, step, cache=cache, call=call)
-            last = hidden[torch.arange(batch, device=device), step.lengths - 1]  # [B, H]
             active = list(range(batch))
+            matchers.fill(active)  # on an accelerator: while the forward runs
+            last = hidden[torch.arange(batch, device=device), step.lengths - 1]  # [B, H]
             for t in range(max_new_tokens):
-                chosen = _choose(head, matchers, last, active)
+                if on_device:
+                    chosen = matchers.choose_batch(head.logits(last[active]), active)
+                else:
+                    chosen = _choose(head, matchers, last, active)
                 still = []
                 for row, token in zip(active, chosen):
                     tokens[row].append(token)
@@ -71,6 +83,7 @@ def decode_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequen
                 if not active or t + 1 == max_new_tokens:
                     break
                 hidden = forward(model, prefix, _token_step(tokens, active, call, ends + t), cache=cache, call=call)
+                matchers.fill(active)  # the next token's masks, while the device runs the step
                 last = hidden[:, 0]
     return [Decoded(tuple(t), f) for t, f in zip(tokens, finished)]
 
@@ -81,10 +94,10 @@ SMALL_ALLOWED = 2048
 
 
 def _choose(head: OutputHead, matchers: RowMatchers, last: torch.Tensor, active: list[int]) -> list[int]:
-    """Each active row's greedy token among those the schema allows. Rows with few allowed
-    tokens score only those (one matmul over the union of their sets, each row masked to
-    its own), which is most steps of a JSON object; the others score the vocabulary."""
-    matchers.fill(active)
+    """Each active row's greedy token among those the schema allows (after `fill`). Rows
+    with few allowed tokens score only those (one matmul over the union of their sets, each
+    row masked to its own), which is most steps of a JSON object; the others score the
+    vocabulary."""
     allowed = {r: matchers.allowed(r) for r in active}
     small = [r for r in active if 0 < len(allowed[r]) <= SMALL_ALLOWED]
     chosen: dict[int, int] = {}
