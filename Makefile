@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BQ_STAMP := $(BQ_VENV)/.installed
 
-.PHONY: install test test-slow demo bench bench-peers bench-baselines clean
+.PHONY: install test test-slow demo bench bench-peers bench-baselines bench-gpu clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ bench-peers: $(STAMP)
 bench-baselines: $(STAMP)
 	$(PY) -c "import sentence_transformers, all_minilm_l6_v2" 2>/dev/null || $(PY) -m pip install --quiet -e '.[test,baselines]'
 	$(PY) -m benchmarks.baselines
+
+# the engine on a CUDA device: rows/s, busy share, launches and host syncs per batch (skipped without one)
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks.gpu
 
 clean:
 	rm -rf $(VENV) $(BQ_VENV) output build *.egg-info

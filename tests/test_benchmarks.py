@@ -112,3 +112,26 @@ def test_llama_cpp_reads_our_token_ids_and_agrees_on_the_same_weights(tmp_path):
     llama = {n: c for n, c in report["contenders"].items() if n.startswith("L F32")}
     assert len(llama) == 4  # batched and one row, each with flash attention on and off
     assert all(c["agreement_with_c"] == 1.0 for c in llama.values()), llama
+
+
+def test_gpu_benchmark_says_it_is_skipped_without_cuda(capsys, tmp_path, monkeypatch):
+    from benchmarks import gpu
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert gpu.run([f"--out_dir={tmp_path}"]) is None
+    assert "skipped: no CUDA device" in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow
+def test_gpu_benchmark_harness_runs_on_the_cpu_with_a_tiny_model(tiny_dir, tmp_path):
+    from benchmarks import gpu
+
+    report = gpu.run(["--device=cpu", f"--model={tiny_dir}", "--batch_sizes=2,4,8", "--extract_batch_sizes=2,4",
+                      "--rows=8", "--extract_rows=4", "--rounds=1", "--workloads=lm,extract", f"--out_dir={tmp_path}"])
+    assert json.loads((tmp_path / "gpu.json").read_text())["workloads"].keys() == {"lm", "extract"}
+    assert "| lm |" in (tmp_path / "gpu.md").read_text()
+    lm = report["workloads"]["lm"]
+    assert set(lm["rows_per_s"]) == {2, 4, 8} and all(r > 0 for r in lm["rows_per_s"].values())
+    assert lm["profiled"]["batch"] == 4 and lm["profiled"]["batches"] == 2
+    assert lm["profiled"]["host_syncs_per_batch"] > 0  # the profiler saw the engine's syncs
+    assert all(r > 0 for r in report["bound_plain_forward_rows_per_s"].values())

@@ -1,0 +1,163 @@
+"""The engine on a GPU: rows/s, how busy the device is, launches and host syncs per batch (#36).
+
+    python -m benchmarks.gpu [--device cuda] [--batch_sizes 64,256,1024,4096] [--out_dir DIR]
+
+Skipped with a line where CUDA is absent (`--device cpu` runs the harness itself, as the
+tests do on a tiny model; its figures say nothing about a GPU). Per workload (the
+support head, LM label scoring of the support task, extraction of the ticket fields; the
+held-out tickets repeated to `--rows`):
+
+- rows/s per batch size, best of `--rounds` (device synchronised around each call);
+- one profiled call at the middle batch size: wall time, device busy time (the kernels'
+  own device time; its share of the wall), kernel launches and host synchronisations
+  (``aten::item``/``_local_scalar_dense``/``nonzero`` and CUDA stream/device syncs), per batch;
+- the bound: a plain forward of ``[B, 20]`` tokens through the base model (what the
+  device does with no engine around it), rows/s at the same batch sizes.
+
+Writes ``gpu.json`` and ``gpu.md`` (date, device name, torch version) under `--out_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import time
+
+import torch
+
+from benchmarks.data import DATA, RESULTS, TASKS
+
+SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
+            "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _best(call, device: str, rounds: int) -> float:
+    call()  # warm
+    times = []
+    for _ in range(rounds):
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _profiled(call, device: str, batches: int) -> dict:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    call()
+    _sync(device)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+        _sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    launches = sum(e.count for e in events if e.key in LAUNCHES)
+    syncs = sum(e.count for e in events if e.key in SYNC_OPS)
+    return {"wall_ms": round(1e3 * wall, 1), "device_busy_ms": round(busy_us / 1e3, 1),
+            "device_busy_share": round(busy_us / 1e6 / wall, 3), "batches": batches,
+            "launches_per_batch": round(launches / batches, 1), "host_syncs_per_batch": round(syncs / batches, 1)}
+
+
+def _bound(model, device: str, batch_sizes, rounds: int) -> dict:
+    """A plain forward of [B, 20] tokens through the base model: rows/s."""
+    out = {}
+    for b in batch_sizes:
+        ids = torch.randint(100, 1000, (b, 20), device=device)
+        with torch.inference_mode():
+            seconds = _best(lambda: model.base_model(input_ids=ids, use_cache=False), device, rounds)
+        out[b] = round(b / seconds, 1)
+    return out
+
+
+def run(argv=None) -> dict | None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--batch_sizes", default="64,256,1024,4096")
+    parser.add_argument("--extract_batch_sizes", default="64,256")
+    parser.add_argument("--rows", type=int, default=4096, help="rows per call (the held-out tickets repeated)")
+    parser.add_argument("--extract_rows", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default="head,lm,extract")
+    parser.add_argument("--out_dir", default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("skipped: no CUDA device here (python -m benchmarks.gpu measures a GPU; --device cpu checks the harness)")
+        return None
+    from beam_prefix import Extractor, PrefixClassifier
+    from beam_prefix.model import load_model
+
+    loaded = load_model(args.model, device=args.device)
+    with open(os.path.join(DATA, "heldout_tickets.csv"), newline="", encoding="utf-8") as f:
+        tickets = [r["text"] for r in csv.DictReader(f)]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": _device_name(args.device),
+              "torch": torch.__version__, "model": args.model, "workloads": {}}
+    engines = {
+        "head": lambda b: PrefixClassifier.load(os.path.join(TASKS, "support_tickets_head.yaml"), args.model,
+                                                device=args.device, batch_size=b, verify=False),
+        "lm": lambda b: PrefixClassifier.load(os.path.join(TASKS, "support_tickets.yaml"), args.model,
+                                              device=args.device, batch_size=b, verify=False),
+        "extract": lambda b: Extractor.load(os.path.join(TASKS, "ticket_fields.yaml"), args.model,
+                                            device=args.device, batch_size=b, verify=False),
+    }
+    for name in args.workloads.split(","):
+        extract = name == "extract"
+        batch_sizes = [int(b) for b in args.extract_batch_sizes.split(",")] if extract else sizes
+        rows = (tickets * (1 + args.rows // len(tickets)))[:args.extract_rows if extract else args.rows]
+        engine = engines[name](batch_sizes[0])
+        call = (lambda: engine.extract(rows)) if extract else (lambda: engine.classify(rows))
+        result = {"rows": len(rows), "rows_per_s": {}}
+        for b in batch_sizes:
+            engine.batch_size = b
+            result["rows_per_s"][b] = round(len(rows) / _best(call, args.device, args.rounds), 1)
+        middle = batch_sizes[len(batch_sizes) // 2]
+        engine.batch_size = middle
+        result["profiled"] = {"batch": middle, **_profiled(call, args.device, -(-len(rows) // middle))}
+        report["workloads"][name] = result
+        print(name, json.dumps(result), flush=True)
+        del engine
+    report["bound_plain_forward_rows_per_s"] = _bound(loaded.model, args.device, sizes, args.rounds)
+    _write(report, args.out_dir)
+    return report
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def _write(report: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    lines = [f"# The engine on {report['device']} ({report['date']}, torch {report['torch']}, {report['model']})", "",
+             "| workload | rows/s by batch size | profiled batch | busy share | launches / batch | host syncs / batch |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, w in report["workloads"].items():
+        p = w["profiled"]
+        rates = ", ".join(f"{b}: {r:,.0f}" for b, r in w["rows_per_s"].items())
+        lines.append(f"| {name} | {rates} | {p['batch']} | {p['device_busy_share']:.0%} | {p['launches_per_batch']} "
+                     f"| {p['host_syncs_per_batch']} |")
+    bound = ", ".join(f"{b}: {r:,.0f}" for b, r in report["bound_plain_forward_rows_per_s"].items())
+    lines += ["", f"Bound, a plain forward of [B, 20] tokens (rows/s by batch size): {bound}."]
+    with open(os.path.join(out_dir, "gpu.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    run()
