@@ -36,7 +36,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.task_file import read_task_file
-from beam_prefix.engines.head_fitting import check_labels, fit_head_from_features as fit_head
+from beam_prefix.engines.head_fitting import check_labels, fit_head_from_features as fit_head, task_label_rows
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
 from pipelines.fit_io import FeatureStaging, write_head
@@ -75,6 +75,10 @@ class FitOptions(PipelineOptions):
                            help="pipelines.fit: also fit a regression on the rows' word and character n-grams and "
                                 "weigh it beside the hidden states by the same folds (true, default; the folds may "
                                 "give it weight 0, and then the head has none), or not (false).")
+        group.add_argument("--label_rows", default="false", choices=("true", "false"),
+                           help="pipelines.fit: also train on the task's own words, each label's name read as text "
+                                "(card_arrival as 'card arrival') and its description: rows that train every fold "
+                                "and the head, never held out (true), or not (false, default).")
         group.add_argument("--folds", type=int, default=5,
                            help="pipelines.fit: folds of the stratified cross-validation that chooses the "
                                 "regularisation (fewer when a label has fewer rows).")
@@ -192,13 +196,19 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         p = test_pipeline or beam.Pipeline(options=options)
         rows, unparseable = read_rows(p, options)
         result = rows | "EmbedText" >> embed
+        staged = pa.schema([("label", pa.string()), ("hash", pa.int64()), ("text", pa.string()),
+                            ("prompt", pa.string()), (FEATURES_COLUMN, pa.list_(pa.float32()))])
         _ = (result.embedded | "Shape" >> beam.ParDo(_Shape(o.text_column, f.label_column))
-             | "WriteFeatures" >> beam.io.WriteToParquet(
-                 staging.features, pa.schema([("label", pa.string()), ("hash", pa.int64()), ("text", pa.string()),
-                                              ("prompt", pa.string()),
-                                              (FEATURES_COLUMN, pa.list_(pa.float32()))]),
-                 file_name_suffix=".parquet"))
-        failed = ((unparseable, result.failed) | "AllFailed" >> beam.Flatten()
+             | "WriteFeatures" >> beam.io.WriteToParquet(staging.features, staged, file_name_suffix=".parquet"))
+        failures = [unparseable, result.failed]
+        if f.label_rows == "true":  # the task's own words, through the same step: the same features
+            texts, names = task_label_rows(task)
+            extra = (p | "LabelRows" >> beam.Create([{o.text_column: t, f.label_column: n} for t, n in zip(texts, names)])
+                     | "EmbedLabelRows" >> embed)
+            _ = (extra.embedded | "ShapeLabelRows" >> beam.ParDo(_Shape(o.text_column, f.label_column))
+                 | "WriteLabelRows" >> beam.io.WriteToParquet(staging.label_rows, staged, file_name_suffix=".parquet"))
+            failures.append(extra.failed)
+        failed = (failures | "AllFailed" >> beam.Flatten()
                   | "Count" >> beam.combiners.Count.Globally())
         _ = failed | "WriteFailedCount" >> beam.io.WriteToText(staging.failed)
         start = time.perf_counter()
@@ -211,18 +221,28 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         prompts = set(table.column("prompt").to_pylist())
         if len(prompts) != 1:
             raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
-        fingerprint = feature_fingerprint(prompts.pop(), o.dtype, layers, f.pooling)
+        prompt = prompts.pop()
+        fingerprint = feature_fingerprint(prompt, o.dtype, layers, f.pooling)
+        extra = None
+        if f.label_rows == "true":
+            rows_of_labels = staging.read_label_rows()
+            if set(rows_of_labels.column("prompt").to_pylist()) - {prompt}:
+                raise RuntimeError("the task's label rows came from another prompt than the rows'")
+            extra = (np.asarray(rows_of_labels.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32),
+                     rows_of_labels.column("label").to_pylist(), rows_of_labels.column("text").to_pylist(),
+                     rows_of_labels.column("hash").to_pylist())
         # (the n-grams read each row's whole text; a row cut at --max_text_tokens is read cut
         # when classified)
         head = fit_head(features, labels, table.column("hash").to_pylist(), task, layers=layers,
                         fingerprint=fingerprint, folds=f.folds, pooling=f.pooling,
-                        texts=table.column("text").to_pylist() if f.lexical == "true" else None)
+                        texts=table.column("text").to_pylist() if f.lexical == "true" else None, extra=extra)
     finally:
         staging.delete()
     write_head(head, o.output)  # all or nothing
     summary = {"head": o.output, "task": task.name, "rows_used": len(labels), "rows_failed": n_failed,
                "features": int(features.shape[1]), "layers": list(layers), "pooling": f.pooling, "features_s": round(features_s, 2),
                "lexical_alpha": head.lexical.alpha if head.lexical is not None else 0.0,
+               "label_rows": head.metrics.get("label_rows", 0),
                **{k: v for k, v in head.metrics.items() if k != "per_label_f1"},
                "worst_label_f1": sorted(head.metrics.get("per_label_f1", {}).items(), key=lambda kv: kv[1])[:5]}
     if o.summary_output:  # where a Flex Template's launcher output is not at hand

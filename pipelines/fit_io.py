@@ -74,6 +74,11 @@ class FeatureStaging:
         return join(self.path, "features")
 
     @property
+    def label_rows(self) -> str:
+        """The task's label rows' features' file prefix (``--label_rows true``)."""
+        return join(self.path, "label_rows")
+
+    @property
     def failed(self) -> str:
         """The failed-row count's file prefix (a text sink)."""
         return join(self.path, "failed")
@@ -83,6 +88,10 @@ class FeatureStaging:
         table = pa.concat_tables([pq.read_table(io.BytesIO(_read(p))) for p in sorted(matches(self.features + "*"))])
         counts = matches(self.failed + "*")
         return table, sum(int(_read(p).decode("ascii").strip() or 0) for p in counts)
+
+    def read_label_rows(self) -> pa.Table:
+        """The staged features of the task's label rows (one table)."""
+        return pa.concat_tables([pq.read_table(io.BytesIO(_read(p))) for p in sorted(matches(self.label_rows + "*"))])
 
     def delete(self) -> None:
         self._delete(self.path)

@@ -20,6 +20,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from beam_prefix import PrefixClassifier, TaskSpecError
 from beam_prefix.beam.embed_transform import EmbedText
 from beam_prefix.engines.head_fitting import C_GRID
+from beam_prefix.tasks.lexical_head import ALPHAS
 from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
 from pipelines import classify, fit
 
@@ -211,7 +212,7 @@ def test_fit_then_classify_through_the_command_line(tiny_dir, tmp_path, capsys):
     assert json.load(open(tmp_path / "out" / "labeled-summary.json"))["evaluation"]["rows"] == 4
 
 
-@pytest.mark.parametrize("task", ["support_tickets_head", "banking77_head"])
+@pytest.mark.parametrize("task", ["support_tickets_head", "banking77_head", "banking77_fast_head"])
 def test_the_shipped_heads_fit_the_shipped_prompts_and_model(embedded, task):
     """A shipped head is used with the prompt and model it was fit on: a changed task file
     or model would refuse it here, not in a user's run. The self-check compares its
@@ -312,7 +313,7 @@ def test_a_head_that_reads_words_is_weighed_by_its_folds_and_stays_exact(tiny_mo
     rows = _lexical_rows()
     base = PrefixClassifier(task=_features_task(), loaded=loaded, verify=False)
     head = fit_head(base, [t for t, _ in rows], [g for _, g in rows], layers=(-1,), folds=3)
-    assert head.lexical is not None and head.lexical.alpha in (0.5, 1.0, 2.0)
+    assert head.lexical is not None and head.lexical.alpha in ALPHAS[1:]
     assert head.metrics["kfold_accuracy"] > head.metrics["kfold_accuracy_hidden_states"]
     assert "n-grams" in repr(head)
     clf = PrefixClassifier(task=base.task.replace(scoring="head", head=head), loaded=loaded, verify=True, batch_size=4)
@@ -387,3 +388,70 @@ def test_a_two_label_head_fits_and_answers(tiny_models):
     assert head.weight.shape[0] == 2 and (head.lexical is None or head.lexical.weight.shape[0] == 2)
     clf = PrefixClassifier(task=task.replace(scoring="head", head=head), loaded=tiny_models["llama"], verify=True)
     assert clf.classify(["please refund my invoice"])[0].label == "billing"
+
+
+def test_out_of_fold_equals_scikit_learns_and_label_rows_only_ever_train():
+    """`out_of_fold` is `cross_val_predict` where every row is held out once (the shipped
+    heads' folds are unchanged); rows past the held-out ones train every split, and no
+    split ever holds them out or scores them."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+
+    from beam_prefix.tasks.lexical_head import out_of_fold
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 5)), np.arange(40) % 3
+    x[:, 0] += y
+    cv = StratifiedKFold(n_splits=4, shuffle=True, random_state=0)
+    splits = list(cv.split(x, y))
+    model = LogisticRegression(C=1.0, max_iter=2000)
+    assert np.allclose(out_of_fold(model, x, y, splits, 3),
+                       cross_val_predict(model, x, y, cv=cv, method="predict_log_proba"))
+    extra = np.arange(40, 43)
+    xe, ye = np.concatenate([x, 5 * np.eye(3, 5)]), np.concatenate([y, [0, 1, 2]])
+    with_extra = out_of_fold(model, xe, ye, [(np.concatenate([t, extra]), h) for t, h in splits], 3)
+    assert with_extra.shape == (40, 3)  # the held-out rows only
+    assert not np.allclose(with_extra, out_of_fold(model, x, y, splits, 3))  # the extra rows trained
+
+
+def test_a_head_may_also_learn_from_the_tasks_own_label_rows(tiny_models, tmp_path):
+    """label_rows: each label's name (and description) trains the head beside the rows;
+    the fold accuracy is over the labelled rows only, the label texts count as rows it was
+    fit on, and the head stays exact (its self-check passes)."""
+    from beam_prefix import TaskSpec, fit_head
+    from beam_prefix.engines.head_fitting import task_label_rows
+
+    task = TaskSpec.from_dict({"name": "t", "labels": [{"name": "billing", "description": "invoices and refunds"},
+                                                       "technical", "account_access"]})
+    assert task_label_rows(task) == (["billing", "invoices and refunds", "technical", "account access"],
+                                     ["billing", "billing", "technical", "account_access"])
+    rows = _lexical_rows()
+    loaded = tiny_models["llama"]
+    base = PrefixClassifier(task=_features_task(), loaded=loaded, verify=False)
+    texts, labels = [t for t, _ in rows], [g for _, g in rows]
+    plain = fit_head(base, texts, labels, layers=(-1,), folds=3)
+    taught = fit_head(base, texts, labels, layers=(-1,), folds=3, label_rows=True)
+    assert taught.metrics["label_rows"] == len(task_label_rows(base.task)[0]) >= 3
+    assert "label_rows" not in plain.metrics
+    assert taught.metrics["train_rows"] == plain.metrics["train_rows"] == 60
+    assert len(taught.metrics["per_label_f1"]) == 3
+    assert taught.trained_on("billing") and not plain.trained_on("billing")
+    assert not np.allclose(taught.weight.numpy(), plain.weight.numpy())
+    clf = PrefixClassifier(task=base.task.replace(scoring="head", head=taught), loaded=loaded, verify=True, batch_size=4)
+    assert_same_predictions(clf.classify(TEXTS[:6]), clf.classify_full(TEXTS[:6]))
+
+
+def test_fit_label_rows_through_the_command_line(tiny_dir, tmp_path, capsys):
+    head = tmp_path / "support.head"
+    argv = ["--runner=DirectRunner", "--task=support_tickets", f"--input={SAMPLE}", "--label_column=label",
+            f"--model={tiny_dir}", "--verify=false", "--folds=3", "--lexical=false"]
+    assert fit.main(argv + [f"--output={head}", "--label_rows=true"]) == 0
+    assert "rows: 60 used, 0 failed" in capsys.readouterr().out
+    from beam_prefix import TaskSpec
+
+    trained = TrainedHead.load(head)
+    labels = TaskSpec.from_yaml(SUPPORT_TASK).labels
+    assert trained.metrics["label_rows"] == len(labels) + sum(1 for label in labels if label.description)
+    assert trained.metrics["train_rows"] == 60 and trained.trained_on(labels[0].name.replace("_", " "))
+    summary = fit.run(argv + [f"--output={tmp_path}/plain.head"])
+    assert summary["label_rows"] == 0 and "label_rows" not in TrainedHead.load(tmp_path / "plain.head").metrics

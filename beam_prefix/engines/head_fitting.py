@@ -13,8 +13,11 @@ cross-validation (scikit-learn's `LogisticRegressionCV`), and records the fold a
 per-label F1 and a hash of every training text. With `lexical` (the default) it also fits
 a regression on the rows' word and character n-grams (`lexical_head`) and weighs the two
 by the same folds: the weight (0 drops the n-grams) whose combined out-of-fold answers are
-most often right. `python -m pipelines.fit` does the same with the features computed by a
-Beam pipeline on any runner.
+most often right. With `label_rows`, the task's own words join the training rows
+(`task_label_rows`: each label's name read as text, and its description): they train
+every fold's regressions and the final one, and are never held out, so the fold accuracy
+stays a measure on the labelled rows alone. `python -m pipelines.fit` does the same with
+the features computed by a Beam pipeline on any runner.
 """
 
 from __future__ import annotations
@@ -26,17 +29,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from beam_prefix.tasks.lexical_head import ALPHAS, fit_lexical, softmax_weights
+from beam_prefix.tasks.lexical_head import ALPHAS, fit_lexical, out_of_fold, softmax_weights
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
 
-__all__ = ["fit_head", "fit_head_from_features", "check_labels", "C_GRID"]
+__all__ = ["fit_head", "fit_head_from_features", "check_labels", "task_label_rows", "C_GRID"]
 
 C_GRID = (0.01, 0.1, 1.0, 10.0)  # the regularisation grid (inverse strength) k-fold chooses from
 
 
 def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers: Sequence[int] = (-1,),
-             pooling: str = "last", folds: int = 5, lexical: bool = True) -> TrainedHead:
+             pooling: str = "last", folds: int = 5, lexical: bool = True, label_rows: bool = False) -> TrainedHead:
     """A head for `classifier`'s task, prompt, model and dtype, fit on `texts` and their
     `labels` (names of the task's labels; every label needs a row).
 
@@ -50,14 +53,37 @@ def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers:
     if task.head is not None or task.calibration:  # features are read as a plain prompt's
         task = task.replace(scoring="auto", head=None, calibration=False)
     check_labels(task, labels)
-    encoded = [classifier.encode(t) for t in texts]  # once: the features and the n-grams read the same text
-    features = np.asarray([e.features for e in classifier.embed_encoded(encoded, layers=tuple(layers), pooling=pooling)],
-                          dtype=np.float32)
+
+    def embedded(rows):
+        encoded = [classifier.encode(t) for t in rows]  # once: the features and the n-grams read the same text
+        return (np.asarray([e.features for e in classifier.embed_encoded(encoded, layers=tuple(layers), pooling=pooling)],
+                           dtype=np.float32).reshape(len(rows), -1), [e.text for e in encoded])
+
+    features, read = embedded(texts)
+    extra = None
+    if label_rows:
+        extra_texts, extra_labels = task_label_rows(task)
+        extra_features, extra_read = embedded(extra_texts)
+        extra = (extra_features, extra_labels, extra_read, [text_hash(t) for t in extra_texts])
     dtype = next(classifier.model.parameters()).dtype
     fingerprint = feature_fingerprint(classifier.features_fingerprint, dtype, tuple(layers), pooling)
     return fit_head_from_features(features, labels, [text_hash(t) for t in texts], task, layers=tuple(layers),
                                   fingerprint=fingerprint, folds=folds, pooling=pooling,
-                                  texts=[e.text for e in encoded] if lexical else None)
+                                  texts=read if lexical else None, extra=extra)
+
+
+def task_label_rows(task: TaskSpec) -> tuple[list[str], list[str]]:
+    """The task's own words as labelled rows (texts, labels): each label's name as text
+    (underscores read as spaces: ``card_arrival`` -> "card arrival"), and its description
+    when it has one."""
+    texts, labels = [], []
+    for label in task.labels:
+        texts.append(label.name.replace("_", " ").strip() or label.name)
+        labels.append(label.name)
+        if label.description:
+            texts.append(label.description)
+            labels.append(label.name)
+    return texts, labels
 
 
 def check_labels(task: TaskSpec, labels) -> collections.Counter:
@@ -79,36 +105,48 @@ def check_labels(task: TaskSpec, labels) -> collections.Counter:
 
 def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list[int], task: TaskSpec, *, layers,
                            fingerprint: str, folds: int, pooling: str = "last",
-                           texts: Sequence[str] | None = None) -> TrainedHead:
+                           texts: Sequence[str] | None = None, extra=None) -> TrainedHead:
     """A multinomial logistic regression on standardised features; the regularisation by
     stratified k-fold cross-validation (accuracy), with the fold accuracy and per-label F1
     of the chosen one in the head's metrics. With `texts` (each row's text as the engine
-    reads it), the lexical part too, weighed by the same folds (module docstring)."""
+    reads it), the lexical part too, weighed by the same folds (module docstring). `extra`:
+    rows that only ever train, ``(features [E, F], labels, texts, hashes)`` (the task's
+    label rows)."""
     from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
     from sklearn.metrics import f1_score
-    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+    from sklearn.model_selection import StratifiedKFold
 
     mean = features.mean(0)
     std = features.std(0)
     std[std < 1e-6] = 1.0
-    x = (features - mean) / std
     names = list(task.label_names)
     y = np.array([names.index(label) for label in labels])
     smallest = int(np.bincount(y, minlength=len(names)).min())
     k = min(folds, smallest)
     metrics: dict = {"train_rows": len(y), "rows_per_label_min": smallest}
+    n = len(y)
+    if extra is not None:  # after the labelled rows: never held out
+        extra_features, extra_labels, extra_texts, extra_hashes = extra
+        features = np.concatenate([features, extra_features])
+        y = np.concatenate([y, [names.index(label) for label in extra_labels]])
+        texts = None if texts is None else list(texts) + list(extra_texts)
+        hashes = list(hashes) + list(extra_hashes)
+        metrics["label_rows"] = len(extra_labels)
+    x = (features - mean) / std  # standardised by the labelled rows' statistics
     start = time.perf_counter()
     lexical = None
     if k >= 2:
-        cv = StratifiedKFold(n_splits=k, shuffle=True, random_state=0)
-        search = LogisticRegressionCV(Cs=list(C_GRID), cv=cv, scoring="accuracy", max_iter=2000, l1_ratios=(0.0,),
+        held = np.arange(n, len(y))
+        splits = [(np.concatenate([train, held]), test) for train, test in
+                  StratifiedKFold(n_splits=k, shuffle=True, random_state=0).split(x[:n], y[:n])]
+        search = LogisticRegressionCV(Cs=list(C_GRID), cv=splits, scoring="accuracy", max_iter=2000, l1_ratios=(0.0,),
                                       use_legacy_attributes=False).fit(x, y)
         c = float(np.atleast_1d(search.C_)[0])
-        oof = cross_val_predict(LogisticRegression(C=c, max_iter=2000), x, y, cv=cv, method="predict_log_proba")
+        oof = out_of_fold(LogisticRegression(C=c, max_iter=2000), x, y, splits, len(names))
         predicted = oof.argmax(1)
         if texts is not None:
-            lexical, lexical_oof = fit_lexical(texts, y, len(names), cv=cv)
-            by_alpha = {a: float(((oof + a * lexical_oof).argmax(1) == y).mean()) for a in ALPHAS}
+            lexical, lexical_oof = fit_lexical(texts, y, len(names), cv=splits)
+            by_alpha = {a: float(((oof + a * lexical_oof).argmax(1) == y[:n]).mean()) for a in ALPHAS}
             alpha = max(ALPHAS, key=lambda a: (by_alpha[a], -a))  # a tie: the fewer n-grams
             metrics.update(kfold_accuracy_hidden_states=round(by_alpha[0.0], 4),
                            kfold_accuracy_by_lexical_alpha={str(a): round(v, 4) for a, v in by_alpha.items()},
@@ -118,9 +156,9 @@ def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list
                 predicted = (oof + alpha * lexical_oof).argmax(1)
             else:
                 lexical = None
-        f1 = f1_score(y, predicted, average=None, labels=list(range(len(names))), zero_division=0)
-        metrics.update(folds=k, C=c, kfold_accuracy=round(float((predicted == y).mean()), 4),
-                       per_label_f1={n: round(float(v), 4) for n, v in zip(names, f1)})
+        f1 = f1_score(y[:n], predicted, average=None, labels=list(range(len(names))), zero_division=0)
+        metrics.update(folds=k, C=c, kfold_accuracy=round(float((predicted == y[:n]).mean()), 4),
+                       per_label_f1={name: round(float(v), 4) for name, v in zip(names, f1)})
         model = LogisticRegression(C=c, max_iter=2000).fit(x, y)
     else:  # a label with one row: nothing to cross-validate (nor to weigh n-grams by)
         model = LogisticRegression(C=1.0, max_iter=2000).fit(x, y)

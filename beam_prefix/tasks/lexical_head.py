@@ -25,11 +25,11 @@ import torch
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["LexicalHead", "fit_lexical", "softmax_weights", "N_FEATURES", "ALPHAS"]
+__all__ = ["LexicalHead", "fit_lexical", "out_of_fold", "softmax_weights", "N_FEATURES", "ALPHAS"]
 
 N_FEATURES = 2 ** 20
 WORD_NGRAMS, CHAR_NGRAMS = (1, 2), (2, 5)
-ALPHAS = (0.0, 0.5, 1.0, 2.0)  # the weights of the lexical evidence k-fold chooses from
+ALPHAS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0)  # the weights of the lexical evidence k-fold chooses from (benchmarks.layer_survey: never above 4)
 LEXICAL_C = 10.0  # the lexical regression's inverse regularisation (l2-normalised rows want a weak one)
 
 
@@ -160,12 +160,16 @@ def _kept(counts, min_df: int) -> tuple[np.ndarray, np.ndarray]:
 def fit_lexical(texts: Sequence[str], y: np.ndarray, n_labels: int, *, cv=None, min_df: int = 2):
     """Fit the n-gram regression on `texts` with label indices `y`.
 
+    Args:
+        cv: a scikit-learn splitter, or the (train, held-out) index splits themselves
+            (`out_of_fold`: rows past the held-out ones only ever train).
+
     Returns:
-        (`LexicalHead` with alpha 1, out-of-fold log-probabilities ``[N, K]`` under `cv`
-        (None without `cv`)): what `head_fitting` weighs against the hidden-state head.
+        (`LexicalHead` with alpha 1, out-of-fold log-probabilities ``[N, K]`` of the rows
+        held out under `cv` (None without `cv`)): what `head_fitting` weighs against the
+        hidden-state head.
     """
     from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import cross_val_predict
 
     from scipy.sparse import hstack
 
@@ -176,10 +180,26 @@ def fit_lexical(texts: Sequence[str], y: np.ndarray, n_labels: int, *, cv=None, 
     model = LogisticRegression(C=LEXICAL_C, max_iter=2000)
     oof = None
     if cv is not None:
-        oof = cross_val_predict(model, x, y, cv=cv, method="predict_log_proba")
+        splits = list(cv.split(np.zeros(len(y)), y)) if hasattr(cv, "split") else list(cv)
+        oof = out_of_fold(model, x, y, splits, n_labels)
     model.fit(x, y)
     weight, bias = softmax_weights(model, n_labels)
     head = LexicalHead(word_columns=torch.from_numpy(word_columns), char_columns=torch.from_numpy(char_columns),
                        word_idf=torch.from_numpy(word_idf), char_idf=torch.from_numpy(char_idf),
                        weight=torch.from_numpy(weight), bias=torch.from_numpy(bias), alpha=1.0)
     return head, oof
+
+
+def out_of_fold(model, x, y: np.ndarray, splits, n_labels: int) -> np.ndarray:
+    """Log-probabilities ``[N, K]`` of the N rows the `splits` hold out (together, rows
+    ``0 .. N-1``), each from a copy of `model` fit on its split's training rows (which may
+    include rows past N that are never held out: a task's label rows). A label a split
+    did not train on gets the lowest float (as scikit-learn's `cross_val_predict`)."""
+    from sklearn.base import clone
+
+    scored = sum(len(held) for _, held in splits)
+    out = np.full((scored, n_labels), np.finfo(np.float64).min)
+    for train, held in splits:
+        fitted = clone(model).fit(x[train], y[train])
+        out[np.ix_(held, fitted.classes_)] = fitted.predict_log_proba(x[held])
+    return out
