@@ -94,11 +94,11 @@ def test_decoding_syncs_per_step_do_not_grow_with_its_rows(tiny_models, monkeypa
     import functools
 
     from beam_prefix.engines import decoding
-    from test_extraction import _extractor
+    from test_extraction import _extractor, extract_task
 
     monkeypatch.setattr("beam_prefix.engines.extractor.decode_cached",
                         functools.partial(decoding.decode_cached, pick=pick))
-    ex = _extractor(tiny_models["llama"], batch_size=16)
+    ex = _extractor(tiny_models["llama"], batch_size=16, task=extract_task(max_new_tokens=24))
     texts = TEXTS[:4] * 4
     ex.extract(texts[:4])  # warm
     few = _syncs(lambda: ex.extract(texts[:4]))
