@@ -54,7 +54,9 @@ def decode_cached(model, head: OutputHead, prefix: PrefixCache, suffixes: Sequen
     ``auto``: ``host`` on the CPU, else ``device``. Both give the same tokens. Each step's
     masks are computed while the device runs that step's forward (launched first)."""
     device = head.weight.device
-    on_device = {"auto": torch.device(device).type != "cpu", "device": True, "host": False}[pick]
+    if pick not in ("auto", "device", "host"):
+        raise ValueError(f"pick must be 'auto', 'device' or 'host', not {pick!r}")
+    on_device = pick == "device" or (pick == "auto" and torch.device(device).type != "cpu")
     step = Step.suffixes(suffixes, prefix.length, device)
     batch = step.ids.shape[0]
     ends = prefix.length + step.lengths  # position of each row's first generated token
