@@ -200,15 +200,14 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
                             ("prompt", pa.string()), (FEATURES_COLUMN, pa.list_(pa.float32()))])
         _ = (result.embedded | "Shape" >> beam.ParDo(_Shape(o.text_column, f.label_column))
              | "WriteFeatures" >> beam.io.WriteToParquet(staging.features, staged, file_name_suffix=".parquet"))
-        failures = [unparseable, result.failed]
         if f.label_rows == "true":  # the task's own words, through the same step: the same features
             texts, names = task_label_rows(task)
             extra = (p | "LabelRows" >> beam.Create([{o.text_column: t, f.label_column: n} for t, n in zip(texts, names)])
                      | "EmbedLabelRows" >> embed)
             _ = (extra.embedded | "ShapeLabelRows" >> beam.ParDo(_Shape(o.text_column, f.label_column))
                  | "WriteLabelRows" >> beam.io.WriteToParquet(staging.label_rows, staged, file_name_suffix=".parquet"))
-            failures.append(extra.failed)
-        failed = (failures | "AllFailed" >> beam.Flatten()
+            # (not input rows: not counted as failed ones; a missing one is an error below)
+        failed = ((unparseable, result.failed) | "AllFailed" >> beam.Flatten()
                   | "Count" >> beam.combiners.Count.Globally())
         _ = failed | "WriteFailedCount" >> beam.io.WriteToText(staging.failed)
         start = time.perf_counter()
@@ -226,6 +225,12 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         extra = None
         if f.label_rows == "true":
             rows_of_labels = staging.read_label_rows()
+            expected = len(task_label_rows(task)[0])
+            staged_rows = 0 if rows_of_labels is None else rows_of_labels.num_rows
+            if staged_rows != expected:
+                raise ValueError(f"{expected - staged_rows} of the task's {expected} label rows failed "
+                                 f"(a label name or description the step refused, e.g. longer than "
+                                 f"--max_text_tokens with --overflow reject); fit without --label_rows or change them")
             if set(rows_of_labels.column("prompt").to_pylist()) - {prompt}:
                 raise RuntimeError("the task's label rows came from another prompt than the rows'")
             extra = (np.asarray(rows_of_labels.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32),

@@ -85,13 +85,16 @@ class FeatureStaging:
 
     def read(self) -> tuple[pa.Table, int]:
         """The staged features (one table) and the number of failed rows."""
-        table = pa.concat_tables([pq.read_table(io.BytesIO(_read(p))) for p in sorted(matches(self.features + "*"))])
         counts = matches(self.failed + "*")
-        return table, sum(int(_read(p).decode("ascii").strip() or 0) for p in counts)
+        return self._table(self.features), sum(int(_read(p).decode("ascii").strip() or 0) for p in counts)
 
-    def read_label_rows(self) -> pa.Table:
-        """The staged features of the task's label rows (one table)."""
-        return pa.concat_tables([pq.read_table(io.BytesIO(_read(p))) for p in sorted(matches(self.label_rows + "*"))])
+    def read_label_rows(self) -> pa.Table | None:
+        """The staged features of the task's label rows (one table; None: none staged)."""
+        return self._table(self.label_rows) if matches(self.label_rows + "*") else None
+
+    @staticmethod
+    def _table(prefix: str) -> pa.Table:
+        return pa.concat_tables([pq.read_table(io.BytesIO(_read(p))) for p in sorted(matches(prefix + "*"))])
 
     def delete(self) -> None:
         self._delete(self.path)

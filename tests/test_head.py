@@ -455,3 +455,18 @@ def test_fit_label_rows_through_the_command_line(tiny_dir, tmp_path, capsys):
     assert trained.metrics["train_rows"] == 60 and trained.trained_on(labels[0].name.replace("_", " "))
     summary = fit.run(argv + [f"--output={tmp_path}/plain.head"])
     assert summary["label_rows"] == 0 and "label_rows" not in TrainedHead.load(tmp_path / "plain.head").metrics
+
+
+def test_fit_refuses_label_rows_the_step_refused(tiny_dir, tmp_path, capsys):
+    """A label row the step fails (here a description longer than --max_text_tokens with
+    --overflow reject) is not an input row: not counted as a failed one, but an error."""
+    text = open(SUPPORT_TASK, encoding="utf-8").read().replace(
+        "description: charges, refunds, invoices, prices, payment methods, subscriptions",
+        "description: " + "charges refunds invoices prices " * 40)
+    (tmp_path / "task.yaml").write_text(text)
+    assert fit.main(["--runner=DirectRunner", f"--task={tmp_path}/task.yaml", f"--input={SAMPLE}",
+                     "--label_column=label", f"--model={tiny_dir}", "--verify=false", "--folds=3",
+                     "--lexical=false", "--label_rows=true", "--max_text_tokens=100", "--overflow=reject",
+                     f"--output={tmp_path}/h.head"]) == 2
+    assert "1 of the task's 6 label rows failed" in capsys.readouterr().err
+    assert not (tmp_path / "h.head").exists()

@@ -136,8 +136,8 @@ def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list
     start = time.perf_counter()
     lexical = None
     if k >= 2:
-        held = np.arange(n, len(y))
-        splits = [(np.concatenate([train, held]), test) for train, test in
+        always_train = np.arange(n, len(y))  # the extra rows: in every split's training rows
+        splits = [(np.concatenate([train, always_train]), test) for train, test in
                   StratifiedKFold(n_splits=k, shuffle=True, random_state=0).split(x[:n], y[:n])]
         search = LogisticRegressionCV(Cs=list(C_GRID), cv=splits, scoring="accuracy", max_iter=2000, l1_ratios=(0.0,),
                                       use_legacy_attributes=False).fit(x, y)
