@@ -40,7 +40,7 @@ from beam_prefix.tasks.labels import LabelTrie
 from beam_prefix.model.output_head import OutputHead
 from beam_prefix.model.prefix_cache import PrefixCache, WorkingCache, new_cache
 
-__all__ = ["LabelScorer", "Scored", "FirstTokenScorer", "TrieScorer", "PrunedTrieScorer", "HeadScorer", "SCORERS",
+__all__ = ["LabelScorer", "Scored", "FirstTokenScorer", "TrieScorer", "PrunedTrieScorer", "HeadScorer", "SCORERS", "pool",
            "register", "scorer_name", "build_scorer"]
 
 
@@ -90,16 +90,10 @@ class LabelScorer:
         suffix position; ``mean``, their mean over the row's suffix positions (its text
         and the template's closing tokens: the row's own tokens, never the prefix)."""
         step = Step.suffixes(suffixes, prefix.length, self.device)
-        rows = torch.arange(len(suffixes), device=self.device)
         with torch.inference_mode():
             with seated(working, len(suffixes)) as cache:
                 states = forward(model, prefix, step, cache=cache, layers=layers)
-            if pooling == "mean":
-                width = states[0].shape[1]
-                real = (torch.arange(width, device=self.device)[None] < step.lengths[:, None]).to(states[0].dtype)
-                weights = real / step.lengths[:, None].to(states[0].dtype)  # [B, Q]: pad columns weigh nothing
-                return torch.cat([torch.einsum("bq,bqh->bh", weights, s) for s in states], dim=-1)
-            return torch.cat([s[rows, step.lengths - 1] for s in states], dim=-1)
+            return pool(states, step, pooling)
 
     def full(self, model, prompt_ids: Sequence[int], *, suffix_length: int | None = None) -> torch.Tensor:
         """The reference raw scores ``[K]`` of one whole prompt, re-encoded with no cache
@@ -120,6 +114,20 @@ class LabelScorer:
     def exhaustive(self) -> "LabelScorer":
         """The scorer that computes every label's own score (what a search is checked against)."""
         return self
+
+
+def pool(states: Sequence[torch.Tensor], step: Step, pooling: str) -> torch.Tensor:
+    """Each row's features ``[B, H * len(states)]`` from a suffix step's hidden states (one
+    ``[B, Q, H]`` per layer read): ``last``, at the row's last suffix position; ``mean``, the
+    mean over its suffix positions (pad columns weigh nothing). What `LabelScorer.features`
+    returns, and what a tuning step trains (`benchmarks.tuning_survey`)."""
+    if pooling == "mean":
+        width = states[0].shape[1]
+        real = (torch.arange(width, device=step.ids.device)[None] < step.lengths[:, None]).to(states[0].dtype)
+        weights = real / step.lengths[:, None].to(states[0].dtype)  # [B, Q]
+        return torch.cat([torch.einsum("bq,bqh->bh", weights, s) for s in states], dim=-1)
+    rows = torch.arange(step.ids.shape[0], device=step.ids.device)
+    return torch.cat([s[rows, step.lengths - 1] for s in states], dim=-1)
 
 
 SCORERS: dict[str, type[LabelScorer]] = {}

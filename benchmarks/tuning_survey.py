@@ -1,0 +1,214 @@
+"""Does tuning the model itself lift a Banking77 head at 10 rows per intent? (#35)
+
+    python -m benchmarks.tuning_survey [--epochs 4] [--learning_rate 1e-4] [--out_dir benchmarks/results]
+
+Measured on **training rows only**: the 770 rows of `benchmarks.baselines`' 10-per-intent
+regime tune and fit; 1,000 other rows of the train split (seed 1), which tune and fit
+nothing, measure. The test split is not read.
+
+Tuning: the decoder layers up to the deepest one the banking77_fast_head head reads
+(layers 1-12 of 30; embeddings and later layers unchanged), AdamW, a supervised
+contrastive loss (Khosla et al. 2020, temperature 0.1) on exactly the features the head
+reads: each read layer's mean-pooled suffix states, L2-normalised and concatenated. Each
+batch holds 4 rows of each of 16 intents. Each step runs the engine's own forward
+(`model.forward.forward` on the expanded working cache, `label_scorers.pool`) with
+gradients, over a prefix computed with the step's current weights (no gradient through
+the prefix: its keys and values are constants of the step). The tuned model is saved
+as a model directory and loaded as any other; its heads are fit with `fit_head` (label
+rows, n-grams weighed by folds) as the untuned one's.
+
+Reported for the untuned and the tuned model: `fit_head`'s validation accuracy (what
+`pipelines.fit` would ship) and, because `fit_head`'s folds run over rows the tuned model
+was trained on (so they overrate its hidden states and underweigh the n-grams), a grid of
+logistic-regression C and n-gram weight on the validation rows.
+Writes `tuning_survey.json` and `tuning_survey.md` under `--out_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.baselines import _few
+from benchmarks.data import DATA, RESULTS, TASKS, csv_rows
+
+LAYERS = (6, 12)
+GRID_C = (0.01, 0.1, 1.0)
+GRID_ALPHA = (0.0, 0.5, 1.0, 2.0)
+
+
+def _supcon(z: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Supervised contrastive loss of unit rows `z` [B, F] with labels `y` [B]."""
+    eye = torch.eye(len(y), dtype=torch.bool)
+    sim = (z @ z.T / temperature).masked_fill(eye, float("-inf"))
+    logp = sim - torch.logsumexp(sim, 1, keepdim=True)
+    same = (y[:, None] == y[None, :]) & ~eye
+    return -(logp.masked_fill(~same, 0).sum(1) / same.sum(1).clamp(min=1)).mean()
+
+
+def _batches(rows, rng, per_label=4, labels_per_batch=16):
+    by: dict[str, list[str]] = {}
+    for t, g in rows:
+        by.setdefault(g, []).append(t)
+    chunks = [(g, ts[i:i + per_label]) for g, ts in by.items() for ts in [rng.sample(ts, len(ts))]
+              for i in range(0, len(ts), per_label)]
+    chunks = [c for c in chunks if len(c[1]) >= 2]  # a positive pair at least
+    rng.shuffle(chunks)
+    batches, batch, seen = [], [], set()
+    for g, ts in chunks:
+        if g in seen or len(batch) == labels_per_batch:
+            batches.append(batch)
+            batch, seen = [], set()
+        batch.append((g, ts))
+        seen.add(g)
+    return [[(t, g) for g, ts in b for t in ts] for b in batches + [batch] if b]
+
+
+def train_features(clf, suffixes, layers=LAYERS) -> torch.Tensor:
+    """The rows' features ``[B, H * len(layers)]`` as the head reads them (each layer's
+    mean-pooled state), each layer's part L2-normalised, with gradients to the weights: the
+    engine's forward on the expanded working cache, over a prefix computed with the
+    current weights and no gradient (`clf`: built with ``prefix_attention="expanded"``)."""
+    from beam_prefix.engines.label_scorers import pool
+    from beam_prefix.model.forward import Step, forward, seated
+    from beam_prefix.model.prefix_cache import PrefixCache
+
+    prefix = PrefixCache(clf.model, clf.layout.prefix_ids)
+    step = Step.suffixes(suffixes, prefix.length, prefix.device)
+    with seated(prefix.working_cache(), len(suffixes)) as cache:
+        states = forward(clf.model, prefix, step, cache=cache, layers=layers)
+    return torch.cat([F.normalize(pool((s,), step, "mean"), dim=-1) for s in states], -1) / len(layers) ** 0.5
+
+
+def tune(task, rows, *, epochs: int, learning_rate: float, temperature: float, out: str, seed: int = 0,
+         spec: str = "embedded") -> list[float]:
+    from beam_prefix import PrefixClassifier
+    from beam_prefix.model import load_model
+
+    torch.manual_seed(seed)
+    loaded = load_model(spec, prepack=False)  # prepacked copies would go stale as weights change
+    clf = PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=False, prefix_attention="expanded")
+    model = loaded.model
+    suffix = {t: clf.encode(t).suffix_ids for t, _ in rows}
+    names = list(task.label_names)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    trained = [p for layer in list(model.base_model.layers)[:max(LAYERS)] for p in layer.parameters()]
+    for p in trained:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=0.01)
+    rng, losses = random.Random(seed), []
+    for epoch in range(epochs):
+        start, epoch_losses = time.perf_counter(), []
+        for batch in _batches(rows, rng):
+            z = train_features(clf, [suffix[t] for t, _ in batch])
+            loss = _supcon(z, torch.tensor([names.index(g) for _, g in batch]), temperature)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            epoch_losses.append(loss.item())
+        losses.append(round(float(np.mean(epoch_losses)), 4))
+        print(f"epoch {epoch}: loss {losses[-1]} ({time.perf_counter() - start:.0f} s)", flush=True)
+    for p in trained:
+        p.requires_grad_(False)
+    model.save_pretrained(out)
+    loaded.tokenizer.save_pretrained(out)
+    return losses
+
+
+def measure(spec: str, task, few, val) -> dict:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    from beam_prefix import PrefixClassifier, fit_head
+    from beam_prefix.engines.head_fitting import task_label_rows
+    from beam_prefix.model import load_model
+    from beam_prefix.tasks.lexical_head import fit_lexical
+
+    loaded = load_model(spec)
+    base = PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=False)
+    head = fit_head(base, [t for t, _ in few], [g for _, g in few], layers=LAYERS, pooling="mean", label_rows=True)
+    clf = PrefixClassifier(task=task.replace(scoring="head", head=head), loaded=loaded, batch_size=64, verify=False)
+    shipped = np.mean([p.label == g for p, (_, g) in zip(clf.classify([t for t, _ in val]), val)])
+    names = list(task.label_names)
+    label_texts, label_labels = task_label_rows(task)
+    texts = [t for t, _ in few] + label_texts
+    y = np.array([names.index(g) for g in [g for _, g in few] + label_labels])
+    y_val = np.array([names.index(g) for _, g in val])
+    embed = lambda ts: np.asarray([e.features for e in base.embed(ts, LAYERS, pooling="mean")], dtype=np.float32)
+    x, x_val = embed(texts), embed([t for t, _ in val])
+    scale = StandardScaler().fit(x[:len(few)])
+    lexical = fit_lexical(texts, y, len(names))[0].log_probs([t for t, _ in val]).numpy()
+    grid = {}
+    for c in GRID_C:
+        logp = LogisticRegression(C=c, max_iter=2000).fit(scale.transform(x), y).predict_log_proba(scale.transform(x_val))
+        for a in GRID_ALPHA:
+            grid[f"C={c} alpha={a}"] = round(float(((logp + a * lexical).argmax(1) == y_val).mean()), 4)
+    return {"fit_head_val_accuracy": round(float(shipped), 4), "fit_head_kfold": head.metrics.get("kfold_accuracy"),
+            "fit_head_alpha": head.metrics.get("lexical_alpha"), "fit_head_C": head.metrics.get("C"),
+            "grid_val_accuracy": grid, "grid_best": max(grid.values())}
+
+
+def run(argv=None) -> dict:
+    from beam_prefix import TaskSpec
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--learning_rate", type=float, default=1e-4)
+    parser.add_argument("--temperature", type=float, default=0.1)
+    parser.add_argument("--val_rows", type=int, default=1000)
+    parser.add_argument("--out_dir", default=RESULTS)
+    args = parser.parse_args(argv)
+    train = csv_rows(os.path.join(DATA, "banking77", "train.csv"), label="category")
+    few = _few(train)
+    chosen = set(few)
+    val = random.Random(1).sample([r for r in train if r not in chosen], args.val_rows)
+    task = TaskSpec.from_yaml(os.path.join(TASKS, "banking77_fast_head.yaml")).replace(scoring="auto", head=None)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "few": len(few), "val": len(val),
+              "layers": list(LAYERS), "epochs": args.epochs, "learning_rate": args.learning_rate,
+              "temperature": args.temperature, "untuned": measure("embedded", task, few, val)}
+    print("untuned:", report["untuned"]["fit_head_val_accuracy"], report["untuned"]["grid_best"], flush=True)
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        report["losses"] = tune(task, few, epochs=args.epochs, learning_rate=args.learning_rate,
+                                temperature=args.temperature, out=out)
+        report["tune_s"] = round(time.perf_counter() - start, 1)
+        report["tuned"] = measure(out, task, few, val)
+    print("tuned:", report["tuned"]["fit_head_val_accuracy"], report["tuned"]["grid_best"], flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "tuning_survey.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    with open(os.path.join(args.out_dir, "tuning_survey.md"), "w") as f:
+        f.write(_markdown(report))
+    return report
+
+
+def _markdown(r: dict) -> str:
+    u, t = r["untuned"], r["tuned"]
+    lines = [f"# Tuning the embedded model on 10 rows per intent ({r['date']}, {r['cpus']} CPUs)", "",
+             f"Training rows only: {r['few']} rows tune and fit, {r['val']} other training rows measure "
+             f"(the test split is not read). Layers 1-{max(r['layers'])} tuned, {r['epochs']} epochs, "
+             f"AdamW {r['learning_rate']}, supervised contrastive loss (temperature {r['temperature']}) on the "
+             f"mean-pooled states of layers {r['layers']}; {r['tune_s']} s; loss per epoch {r['losses']}.", "",
+             "| model | fit_head (label rows): validation | its 5-fold | its n-gram weight | best of the C x n-gram grid |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, m in (("untuned", u), ("tuned", t)):
+        lines.append(f"| {name} | {m['fit_head_val_accuracy']:.1%} | {m['fit_head_kfold']} | {m['fit_head_alpha']} | "
+                     f"{m['grid_best']:.1%} |")
+    lines += ["", "Grid (validation accuracy, C of the hidden-state regression x weight of the n-grams):", "",
+              "| | " + " | ".join(u["grid_val_accuracy"]) + " |", "|---" * (len(u["grid_val_accuracy"]) + 1) + "|"]
+    for name, m in (("untuned", u), ("tuned", t)):
+        lines.append(f"| {name} | " + " | ".join(f"{v:.1%}" for v in m["grid_val_accuracy"].values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    run()
