@@ -58,8 +58,10 @@ def _batches(rows, rng, per_label=4, labels_per_batch=16):
     by: dict[str, list[str]] = {}
     for t, g in rows:
         by.setdefault(g, []).append(t)
-    chunks = [(g, ts[i:i + per_label]) for g, ts in by.items() for ts in [rng.sample(ts, len(ts))]
-              for i in range(0, len(ts), per_label)]
+    chunks = []
+    for g, ts in by.items():
+        shuffled = rng.sample(ts, len(ts))
+        chunks += [(g, shuffled[i:i + per_label]) for i in range(0, len(shuffled), per_label)]
     chunks = [c for c in chunks if len(c[1]) >= 2]  # a positive pair at least
     rng.shuffle(chunks)
     batches, batch, seen = [], [], set()
