@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BQ_STAMP := $(BQ_VENV)/.installed
 
-.PHONY: install test test-slow demo bench bench-peers bench-baselines bench-gpu clean
+.PHONY: install test test-slow demo bench bench-peers bench-baselines bench-gpu bench-precision clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,10 @@ bench-baselines: $(STAMP)
 # the engine on a CUDA device: rows/s, busy share, launches and host syncs per batch (skipped without one)
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu
+
+# bfloat16 (linear layers in bf16, the rest float32) against float32 on the CPU: agreement and speed
+bench-precision: $(STAMP)
+	$(PY) -m benchmarks.precision
 
 clean:
 	rm -rf $(VENV) $(BQ_VENV) output build *.egg-info

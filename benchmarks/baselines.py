@@ -18,7 +18,11 @@ Banking77 (CC-BY-4.0, arXiv 2003.04807): fit on the whole train split (10,003 ro
   the task's label rows, which lift 10-per-intent fold accuracy by 2 points and do nothing
   with the whole split: `benchmarks.layer_survey`; MiniLM + LR is also measured with them);
 - ours, early exit: the same with `banking77_fast_head` (layers 6 and 12, chosen by
-  `benchmarks.layer_survey` on training rows): the forward stops after layer 12 of 30.
+  `benchmarks.layer_survey` on training rows): the forward stops after layer 12 of 30;
+- ours, early exit, bfloat16: the same model loaded with ``dtype="bfloat16"`` (its linear
+  layers in bf16, the rest float32: `half_precision`), with heads fit here in that
+  precision (full split as `pipelines.fit --dtype bfloat16` fits one; 10 per intent as
+  above), the shipped fast head's layers and pooling.
 
 Cost: ms per row at batch 64 with one torch thread, every contender in this one process,
 best of `--rounds` interleaved rounds over the same `--cost_rows` test rows (features and
@@ -110,15 +114,16 @@ class MiniLM:
 class Ours:
     name = "ours: embedded SmolLM2-135M, prefix-cached, trained head"
     task_file = "banking77_head.yaml"
+    shipped = True  # the task's head file fits this precision (else only heads fit here answer)
 
     def __init__(self, loaded, head=None):
         from beam_prefix import PrefixClassifier, TaskSpec
 
         self.task = TaskSpec.from_yaml(os.path.join(TASKS, self.task_file))
         self.loaded = loaded
-        self.head = head or self.task.head
-        self.clf = PrefixClassifier(task=self.task if head is None else self.task.replace(head=head),
-                                    loaded=loaded, batch_size=64, verify=False)
+        self.head = head if head is not None or not self.shipped else self.task.head
+        self.clf = None if self.head is None else PrefixClassifier(task=self.task.replace(head=self.head),
+                                                                   loaded=loaded, batch_size=64, verify=False)
 
     def fit(self, rows, label_rows=False):
         from beam_prefix import PrefixClassifier, fit_head
@@ -139,6 +144,16 @@ class OursEarly(Ours):
 
     name = "ours, early exit: the same, head on layers 6 and 12 (12 of 30 layers run)"
     task_file = "banking77_fast_head.yaml"
+
+
+class OursEarlyHalf(OursEarly):
+    """The early-exit head in bfloat16 (the base model's linear layers in bf16, the rest
+    float32: `half_precision`), its heads fit here in that precision, with the shipped fast
+    head's layers and pooling, on the same rows (a head answers only in the precision it
+    was fit in)."""
+
+    name = "ours, early exit, bfloat16: the same in bf16 linears, its head fit in bf16"
+    shipped = False
 
 
 def _label_rows() -> list[tuple[str, str]]:
@@ -179,28 +194,29 @@ def run(argv=None) -> dict | None:
     test = csv_rows(os.path.join(DATA, "banking77", "test.csv"), label="category")
     few = _few(train)
     loaded = load_model("embedded")
+    half = load_model("embedded", dtype="bfloat16")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "train": len(train),
               "few": len(few), "test": len(test), "accuracy": {}, "fit_s": {}}
     shipped = {Ours.name: Ours(loaded), OursEarly.name: OursEarly(loaded)}
-    report["ours_head"] = _head_facts(shipped[Ours.name].head)
-    report["ours_early_head"] = _head_facts(shipped[OursEarly.name].head)
     fitted = {}
     for name, make in ((Tfidf.name, Tfidf), (MiniLM.name, MiniLM), (Ours.name, lambda: Ours(loaded)),
-                       (OursEarly.name, lambda: OursEarly(loaded))):
+                       (OursEarly.name, lambda: OursEarly(loaded)), (OursEarlyHalf.name, lambda: OursEarlyHalf(half))):
         for regime, rows in (("full train", train), ("10 rows per intent", few)):
             start = time.perf_counter()
             if name in shipped and regime == "full train":
                 model = shipped[name]  # the shipped head, fit by pipelines.fit on the same train split
-            elif name in shipped:  # few rows: the task's label rows too (chosen by training folds: layer_survey)
-                model = make().fit(rows, label_rows=True)
+            elif name in shipped or name == OursEarlyHalf.name:  # the full split as pipelines.fit fits it;
+                # few rows: the task's label rows too (chosen by training folds: layer_survey)
+                model = make().fit(rows, label_rows=regime != "full train")
             else:
                 model = make().fit(rows)
             report["fit_s"][f"{name} | {regime}"] = round(time.perf_counter() - start, 1)
             acc = _accuracy(model, test)
             report["accuracy"].setdefault(name, {})[regime] = acc
             fitted[(name, regime)] = model
-            if name in shipped and regime != "full train":
-                report["ours_few_head" if name == Ours.name else "ours_early_few_head"] = _head_facts(model.head)
+            if isinstance(model, Ours):
+                key = {Ours.name: "ours", OursEarly.name: "ours_early", OursEarlyHalf.name: "ours_early_bf16"}[name]
+                report[f"{key}_head" if regime == "full train" else f"{key}_few_head"] = _head_facts(model.head)
             print(f"{name} | {regime}: {acc:.1%}", flush=True)
     # what the label rows do for the sentence encoder, at 10 rows per intent (not in the table)
     report["minilm_few_with_label_rows"] = _accuracy(MiniLM().fit(few, label_rows=True), test)
@@ -211,7 +227,7 @@ def run(argv=None) -> dict | None:
     try:
         texts = [t for t, _ in test[:args.cost_rows]]
         contenders = {name: fitted[(name, "full train")] for name in (Tfidf.name, MiniLM.name, Ours.name,
-                                                                      OursEarly.name)}
+                                                                      OursEarly.name, OursEarlyHalf.name)}
         for model in contenders.values():
             model.predict(texts[:64])  # warm-up
         times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -226,7 +242,8 @@ def run(argv=None) -> dict | None:
     best = {name: min(v) for name, v in times.items()}
     report["cost"] = {"ms_per_row_rounds": times, "ms_per_row_best": best,
                       "ours / MiniLM": round(best[Ours.name] / best[MiniLM.name], 2),
-                      "ours early exit / MiniLM": round(best[OursEarly.name] / best[MiniLM.name], 2)}
+                      "ours early exit / MiniLM": round(best[OursEarly.name] / best[MiniLM.name], 2),
+                      "ours early exit bf16 / MiniLM": round(best[OursEarlyHalf.name] / best[MiniLM.name], 2)}
     print(json.dumps(report["cost"], indent=1), flush=True)
     _write(report, args.out_dir)
     return report
@@ -252,13 +269,16 @@ def _write(report: dict, out_dir: str) -> None:
               f"At 10 rows per intent our heads also train on the task's label rows (each intent's name as text: "
               f"`fit_head(label_rows=True)`, chosen by training folds, benchmarks.layer_survey); MiniLM + LR given the "
               f"same rows: {report['minilm_few_with_label_rows']:.1%}."]
-    e, efew = report.get("ours_early_head"), report.get("ours_early_few_head", {})
-    if e:
-        lines += ["", f"Ours, early exit: banking77_fast_head (layers {e['layers']}, {e['pooling']} pooling, n-grams "
-                      f"weighed {e['lexical_alpha']:g}; 5-fold accuracy {e['kfold_accuracy']}, hidden states alone "
-                      f"{e['kfold_accuracy_hidden_states']}); the 10-per-intent head's n-grams weighed "
-                      f"{efew.get('lexical_alpha', 0):g}. Its cost / MiniLM "
-                      f"{report['cost']['ours early exit / MiniLM']}x."]
+    for key, what, cost in (("ours_early", "Ours, early exit: banking77_fast_head", "ours early exit / MiniLM"),
+                            ("ours_early_bf16", "Ours, early exit, bfloat16: `load_model(dtype='bfloat16')` (the base "
+                             "model's linear layers in bf16, the rest float32), its full-split head fit in this run "
+                             "as `pipelines.fit --dtype bfloat16` fits one", "ours early exit bf16 / MiniLM")):
+        e, efew = report.get(f"{key}_head"), report.get(f"{key}_few_head", {})
+        if e:
+            lines += ["", f"{what} (layers {e['layers']}, {e['pooling']} pooling, n-grams weighed "
+                          f"{e['lexical_alpha']:g}; 5-fold accuracy {e['kfold_accuracy']}, hidden states alone "
+                          f"{e['kfold_accuracy_hidden_states']}); the 10-per-intent head's n-grams weighed "
+                          f"{efew.get('lexical_alpha', 0):g}. Its cost / MiniLM {report['cost'][cost]}x."]
     with open(os.path.join(out_dir, "baselines.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -36,6 +36,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.task_file import read_task_file
+from beam_prefix.model.loading import precision_of
 from beam_prefix.engines.head_fitting import check_labels, fit_head_from_features as fit_head, task_label_rows
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
@@ -221,7 +222,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         if len(prompts) != 1:
             raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
         prompt = prompts.pop()
-        fingerprint = feature_fingerprint(prompt, o.dtype, layers, f.pooling)
+        fingerprint = feature_fingerprint(prompt, precision_of(o.dtype), layers, f.pooling)  # as the engine's
         extra = None
         if f.label_rows == "true":
             rows_of_labels = staging.read_label_rows()

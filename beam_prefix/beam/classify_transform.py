@@ -45,7 +45,9 @@ class ClassifyText(beam.PTransform):
             ``.gguf`` file, a ``gs://`` directory or a hub id.
         text_column: column holding the text.
         id_column: optional id column echoed in failed rows.
-        dtype: ``float32`` (exact, default), ``bfloat16`` or (on GPUs) ``float16``.
+        dtype: ``float32`` (exact, default), ``bfloat16`` or (on GPUs) ``float16`` (the
+            linear layers in half precision, the rest float32; a head answers only in the
+            precision it was fit in).
         threads: torch intra-op threads per worker process (default None: all cores or
             one thread, whichever the step's batches run faster with; `beam.thread_choice`).
         min_batch_size, max_batch_size: `beam.BatchElements` bounds (max defaults to

@@ -48,7 +48,8 @@ class StepConfig:
         model: ``embedded``, a directory, ``.gguf``, ``gs://`` directory or hub id.
         text_column: the column holding the text.
         id_column: optional id column, echoed in failed rows for easy lookup.
-        dtype: ``float32`` (exact), ``bfloat16`` or (on GPUs) ``float16``.
+        dtype: ``float32`` (exact), ``bfloat16`` or (on GPUs) ``float16`` (the linear
+            layers in half precision, the rest float32: `beam_prefix.model.half_precision`).
         threads: torch intra-op threads while this step runs (torch's count is per
             process: steps with different counts in one process set it in turn); None:
             all cores or one thread, whichever its batches run faster with

@@ -23,6 +23,8 @@ from beam_prefix.errors import NonFiniteScoreError, TaskSpecError, VerificationE
 from beam_prefix.engines.label_scorers import LabelScorer, build_scorer
 from beam_prefix.tasks.labels import label_token_ids
 from beam_prefix.engines.prefix_engine import VERIFY_PROBES, PrefixEngine
+from beam_prefix.model.half_precision import TOLERANCE, compute_dtype, precision_name
+from beam_prefix.model.loading import precision_of
 from beam_prefix.tasks.prompt import EncodedText
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.trained_head import POOLINGS, feature_fingerprint
@@ -96,7 +98,8 @@ class PrefixClassifier(PrefixEngine):
         batch_size: rows per forward pass in `classify`.
         max_batch_tokens: cap on rows x new tokens per forward pass (memory bound).
         verify: run `verify` on a few probe texts now (cached vs full re-encoding).
-        atol: tolerance on probabilities for `verify` (default 1e-4 in fp32, 2e-2 otherwise).
+        atol: tolerance on probabilities for `verify` (default: the model's precision's,
+            `half_precision.TOLERANCE`: 1e-4 in float32).
         prefix_attention: how rows attend to the cached prefix. ``"shared"``: the prefix
             stays at batch 1 and attention is split prefix/new (`beam_prefix.model.attention`;
             switches an sdpa model to its sdpa-equivalent ``beam_prefix_sdpa``).
@@ -124,8 +127,7 @@ class PrefixClassifier(PrefixEngine):
         if label_search is not None or label_tolerance is not None:  # validated like the task file
             task = task.replace(**{k: v for k, v in (("label_search", label_search),
                                                        ("label_tolerance", label_tolerance)) if v is not None})
-        dtype = next(loaded.model.parameters()).dtype
-        self.atol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
+        self.atol = atol if atol is not None else TOLERANCE.get(compute_dtype(loaded.model), TOLERANCE[torch.bfloat16])
         self._check_layers = None if check_layers is None else tuple(check_layers)
         self._check_pooling = _check_pooling(check_pooling)
         super().__init__(task=task, loaded=loaded, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
@@ -155,8 +157,7 @@ class PrefixClassifier(PrefixEngine):
                 raise TaskSpecError(f"{what} {list(indices)}: {bad} out of range for model {model}, whose "
                                     f"hidden states are indices -{hidden}..{hidden - 1} ({hidden - 1} layers)")
         if task.head is not None:
-            cls._check_head(task, layout, answer, model, {"fp32": "float32"}.get(dtype, dtype),
-                            shown=f"{model} ({dtype})")
+            cls._check_head(task, layout, answer, model, precision_of(dtype), shown=f"{model} ({dtype})")
 
     @staticmethod
     def _features_prompt(layout, answer: Answer, model: str) -> str:
@@ -189,7 +190,7 @@ class PrefixClassifier(PrefixEngine):
                                                 prefix_attention=self.prefix_attention)
         if self.task.head is not None:  # a head reads features of this prompt, model and dtype only
             self._check_head(self.task, self.layout, self._prompt.answer, self.model_id,
-                             next(self.model.parameters()).dtype, shown=self.model_id)
+                             precision_name(self.model), shown=self.model_id)
         self.mode = self.scorer.mode  # "first_token", "sequence" or "head": what a label's score is
         self.label_search = self.scorer.search  # "pruned" or "exhaustive": how much of the trie a row runs
         self._calibration: torch.Tensor | None = None

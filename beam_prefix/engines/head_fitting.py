@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from beam_prefix.model.half_precision import precision_name
 from beam_prefix.tasks.lexical_head import ALPHAS, fit_lexical, out_of_fold, softmax_weights
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
@@ -65,8 +66,8 @@ def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers:
         extra_texts, extra_labels = task_label_rows(task)
         extra_features, extra_read = embedded(extra_texts)
         extra = (extra_features, extra_labels, extra_read, [text_hash(t) for t in extra_texts])
-    dtype = next(classifier.model.parameters()).dtype
-    fingerprint = feature_fingerprint(classifier.features_fingerprint, dtype, tuple(layers), pooling)
+    fingerprint = feature_fingerprint(classifier.features_fingerprint, precision_name(classifier.model),
+                                      tuple(layers), pooling)
     return fit_head_from_features(features, labels, [text_hash(t) for t in texts], task, layers=tuple(layers),
                                   fingerprint=fingerprint, folds=folds, pooling=pooling,
                                   texts=read if lexical else None, extra=extra)

@@ -120,7 +120,8 @@ class PrefixEngine:
             model: ``"embedded"``, a local directory, a ``.gguf`` file, a ``gs://``
                 directory or a hub id.
             dtype: ``float32`` (exact), ``bfloat16`` (CPUs with native bf16, GPUs) or
-                ``float16`` (GPUs).
+                ``float16`` (GPUs): the linear layers in half precision, the rest float32
+                (`beam_prefix.model.half_precision`).
             threads: torch intra-op threads.
             device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.
             **kwargs: passed to the constructor (`batch_size`, `verify`, ...).

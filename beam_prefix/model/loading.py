@@ -32,6 +32,7 @@ import time
 import torch
 
 from beam_prefix.errors import ModelLoadError
+from beam_prefix.model.half_precision import HALF_DTYPES, half_linears
 
 __all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "check_device", "resolve_device", "DEVICES", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
 
@@ -95,6 +96,20 @@ def embedded_gguf_path() -> str:
 DEVICES = ("cpu", "cuda", "cuda:N", "auto")
 
 
+def precision_of(dtype: str) -> str:
+    """The precision `load_model(dtype=dtype)` computes in, as a head's fingerprint records it
+    (`half_precision.precision_name`): ``float32``, ``bfloat16-linears`` or ``float16-linears``.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    as_torch = _DTYPES[dtype]
+    name = str(as_torch).replace("torch.", "")
+    return f"{name}-linears" if as_torch in HALF_DTYPES else name
+
+
 def check_device(device: str, dtype: str = "float32") -> None:
     """Refuse a device that is not ``cpu``, ``cuda``, ``cuda:N`` or ``auto``, and float16 on
     the CPU (where it is not a compute type worth having); checked where a step is built."""
@@ -143,7 +158,9 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
     Args:
         spec: ``"embedded"``, a local directory, a ``.gguf`` path, a ``scheme://`` directory
             readable by Beam's FileSystems, or a hub id.
-        dtype: ``float32`` (exact, default), ``bfloat16`` or ``float16``.
+        dtype: ``float32`` (exact, default), ``bfloat16`` or ``float16``: the base model's
+            linear layers (its GEMMs) in half precision, everything else float32
+            (`half_precision`); the self-check's tolerance is the dtype's (`TOLERANCE`).
         threads: torch intra-op threads for this process.
         device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``: where the model is placed
             (and so every tensor of the engine's calls).
@@ -177,7 +194,9 @@ def _load(spec: str, *, dtype: str, place: torch.device, trust_remote_code: bool
         loaded = _from_directory(_copy_remote(spec), spec, trust_remote_code=trust_remote_code)
     else:
         loaded = _from_directory(spec, spec, trust_remote_code=trust_remote_code)
-    loaded.model.to(device=place, dtype=_DTYPES[dtype])
+    loaded.model.to(device=place, dtype=torch.float32)
+    if _DTYPES[dtype] in HALF_DTYPES:  # the GEMMs in half, the rest float32 (half_precision)
+        half_linears(loaded.model, _DTYPES[dtype])
     loaded.model.eval()
     if prepack is None:
         prepack = os.environ.get("BEAM_PREFIX_PREPACK", "1") != "0"
