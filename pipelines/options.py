@@ -92,8 +92,7 @@ class StepOptions(PipelineOptions):
                                 "embedded).")
         model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                            help="float32 (exact), bfloat16 (faster where the CPU has native bf16, and on GPUs) or "
-                                "float16 (GPUs only); in half precision only the model's linear layers, the rest "
-                                "float32. A head answers only in the dtype it was fit in (pipelines.fit --dtype).")
+                                "float16 (GPUs only).")
         model.add_argument("--device", default="cpu",
                            help="Where each worker places the model: cpu (default), cuda, cuda:N, or auto (a GPU "
                                 "where the worker has one). See the README's GPU workers section.")
