@@ -198,6 +198,7 @@ def run(argv=None) -> dict | None:
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "train": len(train),
               "few": len(few), "test": len(test), "accuracy": {}, "fit_s": {}}
     shipped = {Ours.name: Ours(loaded), OursEarly.name: OursEarly(loaded)}
+    ours = {Ours.name: "ours", OursEarly.name: "ours_early", OursEarlyHalf.name: "ours_early_bf16"}  # report keys
     fitted = {}
     for name, make in ((Tfidf.name, Tfidf), (MiniLM.name, MiniLM), (Ours.name, lambda: Ours(loaded)),
                        (OursEarly.name, lambda: OursEarly(loaded)), (OursEarlyHalf.name, lambda: OursEarlyHalf(half))):
@@ -205,7 +206,7 @@ def run(argv=None) -> dict | None:
             start = time.perf_counter()
             if name in shipped and regime == "full train":
                 model = shipped[name]  # the shipped head, fit by pipelines.fit on the same train split
-            elif name in shipped or name == OursEarlyHalf.name:  # the full split as pipelines.fit fits it;
+            elif name in ours:  # the full split as pipelines.fit fits it;
                 # few rows: the task's label rows too (chosen by training folds: layer_survey)
                 model = make().fit(rows, label_rows=regime != "full train")
             else:
@@ -214,9 +215,9 @@ def run(argv=None) -> dict | None:
             acc = _accuracy(model, test)
             report["accuracy"].setdefault(name, {})[regime] = acc
             fitted[(name, regime)] = model
-            if isinstance(model, Ours):
-                key = {Ours.name: "ours", OursEarly.name: "ours_early", OursEarlyHalf.name: "ours_early_bf16"}[name]
-                report[f"{key}_head" if regime == "full train" else f"{key}_few_head"] = _head_facts(model.head)
+            if name in ours:
+                report[f"{ours[name]}_head" if regime == "full train" else f"{ours[name]}_few_head"] = \
+                    _head_facts(model.head)
             print(f"{name} | {regime}: {acc:.1%}", flush=True)
     # what the label rows do for the sentence encoder, at 10 rows per intent (not in the table)
     report["minilm_few_with_label_rows"] = _accuracy(MiniLM().fit(few, label_rows=True), test)

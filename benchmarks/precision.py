@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import random
 import time
 
 import torch
@@ -92,15 +91,11 @@ def _extraction(models, texts) -> dict:
     return out
 
 
-def _cost(models, rounds: int, threads: int) -> dict:
+def _cost(models, bank: list[str], rounds: int, threads: int) -> dict:
     from beam_prefix import PrefixClassifier, TaskSpec, fit_head
+    from benchmarks.baselines import _few
 
-    train = csv_rows(os.path.join(DATA, "banking77", "train.csv"), label="category")
-    by: dict[str, list] = {}
-    for row in train:
-        by.setdefault(row[1], []).append(row)
-    few = [r for label in sorted(by) for r in random.Random(77).sample(by[label], 10)]
-    bank = [t for t, _ in csv_rows(os.path.join(DATA, "banking77", "test.csv"), label="category")[:256]]
+    few = _few(csv_rows(os.path.join(DATA, "banking77", "train.csv"), label="category"))
     tickets = [t for t, _ in csv_rows(os.path.join(DATA, "sample_tickets.csv"))] * 4
     fast = TaskSpec.from_yaml(os.path.join(TASKS, "banking77_fast_head.yaml"))
     contenders = {}
@@ -158,7 +153,7 @@ def run(argv=None) -> dict:
                                              gold=[g for _, g in held]),
               "banking77_lm": _lm_scoring(models, "banking77.yaml", bank),
               "extraction": _extraction(models, [t for t, _ in held]),
-              "cost": _cost(models, args.rounds, args.threads), "threads": args.threads}
+              "cost": _cost(models, bank, args.rounds, args.threads), "threads": args.threads}
     _write(report, args.out_dir)
     return report
 

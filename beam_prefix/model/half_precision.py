@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HalfLinear", "half_linears", "compute_dtype", "precision_name", "TOLERANCE", "HALF_DTYPES"]
+__all__ = ["HalfLinear", "half_linears", "compute_dtype", "precision_name", "linears_precision", "TOLERANCE",
+           "HALF_DTYPES"]
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _MARK = "_beam_prefix_half"  # on the model: the half dtype its base model's linears compute in
@@ -102,6 +103,11 @@ def precision_name(model: torch.nn.Module) -> str:
     """``float32``, or ``bfloat16-linears`` / ``float16-linears`` after `half_linears`:
     what a head's fingerprint records (a head fit on features of one is refused on another)."""
     marked = getattr(model, _MARK, None)
-    if marked is not None:
-        return str(marked).replace("torch.", "") + "-linears"
-    return str(next(model.parameters()).dtype).replace("torch.", "")
+    return linears_precision(marked) if marked is not None else str(next(model.parameters()).dtype)[len("torch."):]
+
+
+def linears_precision(dtype: torch.dtype) -> str:
+    """`precision_name` of a model whose linears compute in `dtype` (`half_linears` for a half
+    dtype, else all of it in `dtype`): what `load_model(dtype=...)` gives."""
+    name = str(dtype)[len("torch."):]
+    return f"{name}-linears" if dtype in HALF_DTYPES else name

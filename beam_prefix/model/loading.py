@@ -32,7 +32,7 @@ import time
 import torch
 
 from beam_prefix.errors import ModelLoadError
-from beam_prefix.model.half_precision import HALF_DTYPES, half_linears
+from beam_prefix.model.half_precision import HALF_DTYPES, half_linears, linears_precision
 
 __all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "check_device", "resolve_device", "DEVICES", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
 
@@ -105,9 +105,7 @@ def precision_of(dtype: str) -> str:
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    as_torch = _DTYPES[dtype]
-    name = str(as_torch).replace("torch.", "")
-    return f"{name}-linears" if as_torch in HALF_DTYPES else name
+    return linears_precision(_DTYPES[dtype])
 
 
 def check_device(device: str, dtype: str = "float32") -> None:
