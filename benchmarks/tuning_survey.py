@@ -6,16 +6,12 @@ Measured on **training rows only**: the 770 rows of `benchmarks.baselines`' 10-p
 regime tune and fit; 1,000 other rows of the train split (seed 1), which tune and fit
 nothing, measure. The test split is not read.
 
-Tuning: the decoder layers up to the deepest one the banking77_fast_head head reads
-(layers 1-12 of 30; embeddings and later layers unchanged), AdamW, a supervised
-contrastive loss (Khosla et al. 2020, temperature 0.1) on exactly the features the head
-reads: each read layer's mean-pooled suffix states, L2-normalised and concatenated. Each
-batch holds 4 rows of each of 16 intents. Each step runs the engine's own forward
-(`model.forward.forward` on the expanded working cache, `label_scorers.pool`) with
-gradients, over a prefix computed with the step's current weights (no gradient through
-the prefix: its keys and values are constants of the step). The tuned model is saved
-as a model directory and loaded as any other; its heads are fit with `fit_head` (label
-rows, n-grams weighed by folds) as the untuned one's.
+Tuning: `beam_prefix.engines.model_tuning.tune_model` (what `pipelines.tune` runs): the
+decoder layers up to the deepest one the banking77_fast_head head reads (layers 1-12 of
+30), AdamW, a supervised contrastive loss on exactly the features the head reads, through
+the engine's own forward. The tuned model is saved as a model directory and loaded as any
+other; its heads are fit with `fit_head` (label rows, n-grams weighed by folds) as the
+untuned one's.
 
 Reported for the untuned and the tuned model: `fit_head`'s validation accuracy (what
 `pipelines.fit` would ship) and, because `fit_head`'s folds run over rows the tuned model
@@ -34,8 +30,6 @@ import tempfile
 import time
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from benchmarks.baselines import _few
 from benchmarks.data import DATA, RESULTS, TASKS, csv_rows
@@ -45,85 +39,15 @@ GRID_C = (0.01, 0.1, 1.0)
 GRID_ALPHA = (0.0, 0.5, 1.0, 2.0)
 
 
-def _supcon(z: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Supervised contrastive loss of unit rows `z` [B, F] with labels `y` [B]."""
-    eye = torch.eye(len(y), dtype=torch.bool)
-    sim = (z @ z.T / temperature).masked_fill(eye, float("-inf"))
-    logp = sim - torch.logsumexp(sim, 1, keepdim=True)
-    same = (y[:, None] == y[None, :]) & ~eye
-    return -(logp.masked_fill(~same, 0).sum(1) / same.sum(1).clamp(min=1)).mean()
-
-
-def _batches(rows, rng, per_label=4, labels_per_batch=16):
-    by: dict[str, list[str]] = {}
-    for t, g in rows:
-        by.setdefault(g, []).append(t)
-    chunks = []
-    for g, ts in by.items():
-        shuffled = rng.sample(ts, len(ts))
-        chunks += [(g, shuffled[i:i + per_label]) for i in range(0, len(shuffled), per_label)]
-    chunks = [c for c in chunks if len(c[1]) >= 2]  # a positive pair at least
-    rng.shuffle(chunks)
-    batches, batch, seen = [], [], set()
-    for g, ts in chunks:
-        if g in seen or len(batch) == labels_per_batch:
-            batches.append(batch)
-            batch, seen = [], set()
-        batch.append((g, ts))
-        seen.add(g)
-    return [[(t, g) for g, ts in b for t in ts] for b in batches + [batch] if b]
-
-
-def train_features(clf, suffixes, layers=LAYERS) -> torch.Tensor:
-    """The rows' features ``[B, H * len(layers)]`` as the head reads them (each layer's
-    mean-pooled state), each layer's part L2-normalised, with gradients to the weights: the
-    engine's forward on the expanded working cache, over a prefix computed with the
-    current weights and no gradient (`clf`: built with ``prefix_attention="expanded"``)."""
-    from beam_prefix.engines.label_scorers import pool
-    from beam_prefix.model.forward import Step, forward, seated
-    from beam_prefix.model.prefix_cache import PrefixCache
-
-    prefix = PrefixCache(clf.model, clf.layout.prefix_ids)
-    step = Step.suffixes(suffixes, prefix.length, prefix.device)
-    with seated(prefix.working_cache(), len(suffixes)) as cache:
-        states = forward(clf.model, prefix, step, cache=cache, layers=layers)
-    return torch.cat([F.normalize(pool((s,), step, "mean"), dim=-1) for s in states], -1) / len(layers) ** 0.5
-
-
 def tune(task, rows, *, epochs: int, learning_rate: float, temperature: float, out: str, seed: int = 0,
          spec: str = "embedded") -> list[float]:
-    from beam_prefix import PrefixClassifier
-    from beam_prefix.model import load_model
+    """`model_tuning.tune_model` on `rows` (what `pipelines.tune` runs)."""
+    from beam_prefix.engines.model_tuning import tune_model
 
-    torch.manual_seed(seed)
-    loaded = load_model(spec, prepack=False)  # prepacked copies would go stale as weights change
-    clf = PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=False, prefix_attention="expanded")
-    model = loaded.model
-    suffix = {t: clf.encode(t).suffix_ids for t, _ in rows}
-    names = list(task.label_names)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    trained = [p for layer in list(model.base_model.layers)[:max(LAYERS)] for p in layer.parameters()]
-    for p in trained:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=0.01)
-    rng, losses = random.Random(seed), []
-    for epoch in range(epochs):
-        start, epoch_losses = time.perf_counter(), []
-        for batch in _batches(rows, rng):
-            z = train_features(clf, [suffix[t] for t, _ in batch])
-            loss = _supcon(z, torch.tensor([names.index(g) for _, g in batch]), temperature)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            epoch_losses.append(loss.item())
-        losses.append(round(float(np.mean(epoch_losses)), 4))
-        print(f"epoch {epoch}: loss {losses[-1]} ({time.perf_counter() - start:.0f} s)", flush=True)
-    for p in trained:
-        p.requires_grad_(False)
-    model.save_pretrained(out)
-    loaded.tokenizer.save_pretrained(out)
-    return losses
+    record = tune_model(task, [t for t, _ in rows], [g for _, g in rows], output_dir=out, model=spec, layers=LAYERS,
+                        pooling="mean", epochs=epochs, learning_rate=learning_rate, temperature=temperature,
+                        seed=seed, log=print)
+    return list(record.losses)
 
 
 def measure(spec: str, task, few, val) -> dict:

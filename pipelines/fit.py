@@ -21,7 +21,6 @@ or input.
 from __future__ import annotations
 
 import argparse
-import glob
 import logging
 import os
 import sys
@@ -30,7 +29,6 @@ import time
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
@@ -42,6 +40,7 @@ from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
 from pipelines.fit_io import FeatureStaging, write_head
 from pipelines.launch import explain
+from pipelines.local_rows import local_columns, local_paths
 from pipelines.summary import write_json
 from pipelines.options import StepOptions, join_negative_lists, refuse_unknown_flags, task_path
 from pipelines.publish import Output
@@ -112,28 +111,11 @@ def _labels_at_launch(options: PipelineOptions, column: str):
     o = options.view_as(StepOptions)
     if not o.input:
         return None
-    fmt = input_format(options)
-    paths = sorted(glob.glob(o.input)) if "://" not in o.input else []
+    paths = local_paths(o.input)
     if not paths:
         return None  # remote files: checked when the features are back
-    if fmt == "parquet":
-        return [v for p in paths for v in pq.read_table(p, columns=[column]).column(column).to_pylist()]
-    import csv
-    import json
-
-    values = []
-    for path in paths:
-        with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
-            if fmt == "csv":
-                values += [row.get(column) for row in csv.DictReader(f)]
-            else:
-                for line in f:
-                    if line.strip():
-                        try:
-                            values.append(json.loads(line).get(column))
-                        except (ValueError, AttributeError, RecursionError):
-                            continue  # fails as a row (as in classify)
-    return values
+    # (a JSON line that does not parse fails as a row, as in classify: not a label)
+    return [r[0] for r in local_columns(paths, input_format(options), [column]) if r is not None]
 
 
 class _Shape(beam.DoFn):

@@ -136,32 +136,3 @@ def test_gpu_benchmark_harness_runs_on_the_cpu_with_a_tiny_model(tiny_dir, tmp_p
     assert lm["profiled"]["host_syncs_per_batch"] > 0  # the profiler saw the engine's syncs
     assert all(r > 0 for r in report["bound_plain_forward_rows_per_s"].values())
 
-
-def test_tuning_survey_trains_the_features_a_head_reads(tiny_dir):
-    """The survey's training step: the engine's forward with gradients gives the cached
-    engine's own mean-pooled features (each layer's part unit length), and the gradient
-    reaches the layers up to the deepest one read, not past it."""
-    import torch
-    import torch.nn.functional as F
-
-    from beam_prefix import PrefixClassifier, TaskSpec
-    from beam_prefix.model import load_model
-    from benchmarks import tuning_survey
-    from benchmarks.data import TASKS
-
-    task = TaskSpec.from_yaml(f"{TASKS}/support_tickets.yaml").replace(scoring="auto", head=None)
-    loaded = load_model(tiny_dir, prepack=False)
-    clf = PrefixClassifier(task=task, loaded=loaded, batch_size=8, verify=False, prefix_attention="expanded")
-    texts = ["I was charged twice", "the app crashes when I log in", "how do I change my address?"]
-    for p in loaded.model.parameters():
-        p.requires_grad_(True)
-    z = tuning_survey.train_features(clf, [clf.encode(t).suffix_ids for t in texts], layers=(1, 2))
-    reference = PrefixClassifier(task=task, loaded=load_model(tiny_dir), batch_size=8, verify=False)
-    h = loaded.model.config.hidden_size
-    read = torch.tensor([e.features for e in reference.embed(texts, (1, 2), pooling="mean")])
-    expected = torch.cat([F.normalize(read[:, :h], dim=-1), F.normalize(read[:, h:], dim=-1)], -1) / 2 ** 0.5
-    torch.testing.assert_close(z.detach(), expected, atol=1e-5, rtol=1e-4)
-    z.pow(2).sum(-1).mul(torch.arange(3.0)).sum().backward()
-    layers = loaded.model.base_model.layers
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layers[0].parameters())
-    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in layers[2].parameters())

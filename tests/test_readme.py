@@ -146,6 +146,13 @@ def _check_pipeline_flags(module: str, argv: list[str]) -> None:
     from pipelines.fit import FitOptions
     from pipelines.options import ClassifyOptions, StepOptions, join_negative_lists, refuse_unknown_flags
 
+    if module == "tune":  # its own parser (it runs in this process, not as a Beam pipeline)
+        from pipelines.tune import parser
+
+        _, unknown = parser().parse_known_args(join_negative_lists(argv, ("--layers",)))
+        if unknown:
+            raise ValueError(f"python -m pipelines.tune: unknown flags {unknown}")
+        return
     own = {"classify": (StepOptions, ClassifyOptions), "extract": (StepOptions, ExtractOptions),
            "fit": (StepOptions, FitOptions)}[module]
     refuse_unknown_flags(join_negative_lists(argv, ("--layers",)), own, f"python -m pipelines.{module}")
@@ -188,3 +195,5 @@ def test_every_bash_command_names_flags_files_and_targets_that_exist():
 def test_a_misspelt_flag_in_a_readme_command_would_fail_this_check():
     with pytest.raises(ValueError, match="did you mean --eval_label_column"):
         _check_pipeline_flags("classify", ["--eval_label_colum", "label"])
+    with pytest.raises(ValueError, match="unknown flags"):
+        _check_pipeline_flags("tune", ["--input=x.csv", "--label_column=y", "--output=z", "--epoch=2"])

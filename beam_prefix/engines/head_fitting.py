@@ -40,9 +40,12 @@ C_GRID = (0.01, 0.1, 1.0, 10.0)  # the regularisation grid (inverse strength) k-
 
 
 def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers: Sequence[int] = (-1,),
-             pooling: str = "last", folds: int = 5, lexical: bool = True, label_rows: bool = False) -> TrainedHead:
+             pooling: str = "last", folds: int = 5, lexical: bool = True, label_rows: bool = False,
+             lexical_alpha: float | None = None) -> TrainedHead:
     """A head for `classifier`'s task, prompt, model and dtype, fit on `texts` and their
-    `labels` (names of the task's labels; every label needs a row).
+    `labels` (names of the task's labels; every label needs a row). `lexical_alpha`: the
+    n-grams' weight, given instead of chosen by the folds (for a model tuned on these rows,
+    whose folds would overrate its states: `model_tuning`).
 
     Raises:
         ValueError: labels the task lacks, or task labels with no row.
@@ -70,7 +73,7 @@ def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers:
                                       tuple(layers), pooling)
     return fit_head_from_features(features, labels, [text_hash(t) for t in texts], task, layers=tuple(layers),
                                   fingerprint=fingerprint, folds=folds, pooling=pooling,
-                                  texts=read if lexical else None, extra=extra)
+                                  texts=read if lexical else None, extra=extra, lexical_alpha=lexical_alpha)
 
 
 def task_label_rows(task: TaskSpec) -> tuple[list[str], list[str]]:
@@ -106,13 +109,15 @@ def check_labels(task: TaskSpec, labels) -> collections.Counter:
 
 def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list[int], task: TaskSpec, *, layers,
                            fingerprint: str, folds: int, pooling: str = "last",
-                           texts: Sequence[str] | None = None, extra=None) -> TrainedHead:
+                           texts: Sequence[str] | None = None, extra=None,
+                           lexical_alpha: float | None = None) -> TrainedHead:
     """A multinomial logistic regression on standardised features; the regularisation by
     stratified k-fold cross-validation (accuracy), with the fold accuracy and per-label F1
     of the chosen one in the head's metrics. With `texts` (each row's text as the engine
     reads it), the lexical part too, weighed by the same folds (module docstring). `extra`:
     rows that only ever train, ``(features [E, F], labels, texts, hashes)`` (the task's
-    label rows)."""
+    label rows). `lexical_alpha`: the n-grams' weight, given instead of chosen (the folds'
+    accuracy at each weight is still recorded)."""
     from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
     from sklearn.metrics import f1_score
     from sklearn.model_selection import StratifiedKFold
@@ -149,6 +154,9 @@ def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list
             lexical, lexical_oof = fit_lexical(texts, y, len(names), cv=splits)
             by_alpha = {a: float(((oof + a * lexical_oof).argmax(1) == y[:n]).mean()) for a in ALPHAS}
             alpha = max(ALPHAS, key=lambda a: (by_alpha[a], -a))  # a tie: the fewer n-grams
+            if lexical_alpha is not None:
+                alpha = float(lexical_alpha)
+                metrics["lexical_alpha_given"] = True
             metrics.update(kfold_accuracy_hidden_states=round(by_alpha[0.0], 4),
                            kfold_accuracy_by_lexical_alpha={str(a): round(v, 4) for a, v in by_alpha.items()},
                            lexical_alpha=alpha)

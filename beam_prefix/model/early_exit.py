@@ -25,7 +25,7 @@ from typing import Sequence
 
 from torch import nn
 
-__all__ = ["exit_depth", "shallow"]
+__all__ = ["exit_depth", "shallow", "decoder_layers"]
 
 _VIEWS: "weakref.WeakKeyDictionary[nn.Module, dict[int, nn.Module]]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -51,19 +51,29 @@ def shallow(base: nn.Module, depth: int) -> nn.Module:
         return views[depth]
 
 
-def _view(base: nn.Module, depth: int) -> nn.Module:
-    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+def decoder_layers(base: nn.Module) -> nn.ModuleList:
+    """The decoder-layer list of `base` (a transformers base model), in order."""
+    return base._modules[_decoder_name(base)]
 
+
+def _decoder_name(base: nn.Module) -> str:
     total = base.config.get_text_config().num_hidden_layers
     names = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m) == total]
     if len(names) != 1:
         raise ValueError(f"{type(base).__name__}: cannot tell its decoder layers (lists of {total}: {names})")
+    return names[0]
+
+
+def _view(base: nn.Module, depth: int) -> nn.Module:
+    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+    name = _decoder_name(base)
     # The hidden-state hooks live on the shared layers: install them through the model once,
     # so the view (marked as hooked, copied below) never installs a second set.
     maybe_install_capturing_hooks(base)
     view = copy.copy(base)
     view._modules = dict(base._modules)
-    view._modules[names[0]] = nn.ModuleList(list(base._modules[names[0]])[:depth])
+    view._modules[name] = nn.ModuleList(list(base._modules[name])[:depth])
     config = copy.copy(base.config)
     config.num_hidden_layers = depth
     config.tie_last_hidden_states = False

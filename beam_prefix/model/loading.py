@@ -33,6 +33,7 @@ import torch
 
 from beam_prefix.errors import ModelLoadError
 from beam_prefix.model.half_precision import HALF_DTYPES, half_linears, linears_precision
+from beam_prefix.model.tuning_record import read_record
 
 __all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "check_device", "resolve_device", "DEVICES", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
 
@@ -145,8 +146,26 @@ def set_torch_threads(threads: int | None) -> None:
 
 
 def model_id(spec: str) -> str:
-    """The id output rows carry for model `spec` (what `load_model` sets)."""
-    return _EMBEDDED_ID if spec == EMBEDDED else spec
+    """The id output rows carry for model `spec` (what `load_model` sets): a tuned model
+    directory's is its tuning record's (`model_tuning`), however its path is spelled."""
+    if spec == EMBEDDED:
+        return _EMBEDDED_ID
+    if spec.endswith(".gguf"):
+        return spec
+    if "://" in spec:
+        try:
+            return _directory_id(_copy_remote(spec, small_only=True), spec)
+        except ModelLoadError:  # unreadable: loading it says why
+            return spec
+    return _directory_id(spec, spec)
+
+
+def _directory_id(path: str, spec: str) -> str:
+    try:
+        record = read_record(path) if os.path.isdir(path) else None
+    except ValueError as e:
+        raise ModelLoadError(f"model {spec!r}: {e}") from None
+    return spec if record is None else record.id
 
 
 def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | None = None,
@@ -189,9 +208,10 @@ def _load(spec: str, *, dtype: str, place: torch.device, trust_remote_code: bool
     elif spec.endswith(".gguf"):
         loaded = _from_gguf(spec, spec)
     elif "://" in spec:
-        loaded = _from_directory(_copy_remote(spec), spec, trust_remote_code=trust_remote_code)
+        path = _copy_remote(spec)
+        loaded = _from_directory(path, _directory_id(path, spec), trust_remote_code=trust_remote_code)
     else:
-        loaded = _from_directory(spec, spec, trust_remote_code=trust_remote_code)
+        loaded = _from_directory(spec, _directory_id(spec, spec), trust_remote_code=trust_remote_code)
     loaded.model.to(device=place, dtype=torch.float32)
     if _DTYPES[dtype] in HALF_DTYPES:  # the GEMMs in half, the rest float32 (half_precision)
         half_linears(loaded.model, _DTYPES[dtype])
@@ -326,7 +346,7 @@ def _save_converted(loaded: LoadedModel, target: str) -> None:
 
 
 # files of a model directory that hold no weights (what a launcher needs to check a task)
-_SMALL_FILES = re.compile(r"(config\.json|generation_config\.json|tokenizer[^/]*|special_tokens_map\.json|"
+_SMALL_FILES = re.compile(r"(config\.json|beam_prefix_tuning\.json|generation_config\.json|tokenizer[^/]*|special_tokens_map\.json|"
                           r"added_tokens\.json|vocab\.(json|txt)|merges\.txt|[^/]*\.model|chat_template\.(jinja|json))")
 
 
