@@ -21,6 +21,7 @@ from beam_prefix.errors import (BeamPrefixError, BoundaryError, ModelLoadError, 
 from beam_prefix.tasks.extract_task import ExtractExample, ExtractionSpec, Field, load_task
 from beam_prefix.engines.extractor import Extraction, Extractor
 from beam_prefix.engines.head_fitting import fit_head
+from beam_prefix.engines.model_tuning import tune_model
 from beam_prefix.tasks.task import Example, Label, TaskSpec
 from beam_prefix.tasks.trained_head import TrainedHead
 
@@ -30,5 +31,5 @@ __all__ = [
     "TaskSpec", "Label", "Example", "PrefixClassifier", "Prediction", "Embedding", "TrainedHead",
     "ExtractionSpec", "Field", "ExtractExample", "Extractor", "Extraction", "load_task",
     "BeamPrefixError", "TaskSpecError", "BoundaryError", "ModelLoadError", "RowError",
-    "TextTooLongError", "VerificationError", "fit_head",
+    "TextTooLongError", "VerificationError", "fit_head", "tune_model",
 ]
