@@ -50,7 +50,7 @@ def tune(task, rows, *, epochs: int, learning_rate: float, temperature: float, o
     return list(record.losses)
 
 
-def measure(spec: str, task, few, val) -> dict:
+def measure(spec: str, task, few, val, lexical_alpha: float | None = None) -> dict:
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
@@ -61,7 +61,8 @@ def measure(spec: str, task, few, val) -> dict:
 
     loaded = load_model(spec)
     base = PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=False)
-    head = fit_head(base, [t for t, _ in few], [g for _, g in few], layers=LAYERS, pooling="mean", label_rows=True)
+    head = fit_head(base, [t for t, _ in few], [g for _, g in few], layers=LAYERS, pooling="mean", label_rows=True,
+                    lexical_alpha=lexical_alpha)
     clf = PrefixClassifier(task=task.replace(scoring="head", head=head), loaded=loaded, batch_size=64, verify=False)
     shipped = np.mean([p.label == g for p, (_, g) in zip(clf.classify([t for t, _ in val]), val)])
     names = list(task.label_names)
@@ -92,6 +93,8 @@ def run(argv=None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.1)
     parser.add_argument("--val_rows", type=int, default=1000)
     parser.add_argument("--out_dir", default=RESULTS)
+    parser.add_argument("--label_rows_in_tuning", action="store_true",
+                        help="the task's label rows (each intent's name as text) join the tuning rows too")
     args = parser.parse_args(argv)
     train = csv_rows(os.path.join(DATA, "banking77", "train.csv"), label="category")
     few = _few(train)
@@ -100,14 +103,19 @@ def run(argv=None) -> dict:
     task = TaskSpec.from_yaml(os.path.join(TASKS, "banking77_fast_head.yaml")).replace(scoring="auto", head=None)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "few": len(few), "val": len(val),
               "layers": list(LAYERS), "epochs": args.epochs, "learning_rate": args.learning_rate,
-              "temperature": args.temperature, "untuned": measure("embedded", task, few, val)}
+              "temperature": args.temperature, "label_rows_in_tuning": args.label_rows_in_tuning,
+              "untuned": measure("embedded", task, few, val)}
     print("untuned:", report["untuned"]["fit_head_val_accuracy"], report["untuned"]["grid_best"], flush=True)
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        report["losses"] = tune(task, few, epochs=args.epochs, learning_rate=args.learning_rate,
+        from beam_prefix.engines.head_fitting import task_label_rows
+
+        rows = few + (list(zip(*task_label_rows(task))) if args.label_rows_in_tuning else [])
+        report["losses"] = tune(task, rows, epochs=args.epochs, learning_rate=args.learning_rate,
                                 temperature=args.temperature, out=out)
         report["tune_s"] = round(time.perf_counter() - start, 1)
-        report["tuned"] = measure(out, task, few, val)
+        # its head as pipelines.tune fits it: the n-gram weight the base model's folds chose
+        report["tuned"] = measure(out, task, few, val, lexical_alpha=report["untuned"]["fit_head_alpha"])
     print("tuned:", report["tuned"]["fit_head_val_accuracy"], report["tuned"]["grid_best"], flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "tuning_survey.json"), "w") as f:
@@ -123,8 +131,10 @@ def _markdown(r: dict) -> str:
              f"Training rows only: {r['few']} rows tune and fit, {r['val']} other training rows measure "
              f"(the test split is not read). Layers 1-{max(r['layers'])} tuned, {r['epochs']} epochs, "
              f"AdamW {r['learning_rate']}, supervised contrastive loss (temperature {r['temperature']}) on the "
-             f"mean-pooled states of layers {r['layers']}; {r['tune_s']} s; loss per epoch {r['losses']}.", "",
-             "| model | fit_head (label rows): validation | its 5-fold | its n-gram weight | best of the C x n-gram grid |",
+             f"mean-pooled states of layers {r['layers']}"
+             + (", the task's label rows in the tuning rows too" if r.get("label_rows_in_tuning") else "")
+             + f"; {r['tune_s']} s; loss per epoch {r['losses']}.", "",
+             "| model | fit_head (label rows; tuned: the base model's n-gram weight, as pipelines.tune): validation | its 5-fold | its n-gram weight | best of the C x n-gram grid |",
              "| --- | --- | --- | --- | --- |"]
     for name, m in (("untuned", u), ("tuned", t)):
         lines.append(f"| {name} | {m['fit_head_val_accuracy']:.1%} | {m['fit_head_kfold']} | {m['fit_head_alpha']} | "

@@ -97,7 +97,7 @@ def run(argv: list[str] | None = None) -> dict:
     """Tune, fit, write the directory; returns the summary."""
     from beam_prefix import PrefixClassifier, fit_head
     from beam_prefix.engines.head_fitting import check_labels
-    from beam_prefix.engines.model_tuning import tune_model
+    from beam_prefix.engines.model_tuning import check_settings, tune_model
     from beam_prefix.model.loading import load_model, set_torch_threads
 
     args = parser().parse_args(join_negative_lists(list(sys.argv[1:] if argv is None else argv), ("--layers",)))
@@ -106,6 +106,8 @@ def run(argv: list[str] | None = None) -> dict:
     if os.path.exists(args.output) and (not os.path.isdir(args.output) or os.listdir(args.output)):
         raise ValueError(f"--output={args.output!r} exists and is not an empty directory: a tuning writes a new one "
                          f"(so it never writes over the model, the task or the input it reads)")
+    check_settings(model=args.model, pooling=args.pooling or "mean", epochs=args.epochs,
+                   learning_rate=args.learning_rate, temperature=args.temperature, output_dir=args.output)
     if args.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {args.folds}")
     task_file = task_path(args.task or "support_tickets")

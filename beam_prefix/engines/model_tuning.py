@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from beam_prefix.model.tuning_record import TUNING_FILE, TuningRecord
 
-__all__ = ["tune_model", "contrastive_loss", "label_batches", "train_features", "tuned_modules"]
+__all__ = ["tune_model", "check_settings", "contrastive_loss", "label_batches", "train_features", "tuned_modules"]
 
 def contrastive_loss(z: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
     """Supervised contrastive loss of unit rows `z` ``[B, F]`` with labels `y` ``[B]``: each
@@ -114,12 +114,27 @@ def tuned_modules(model, layers: Sequence[int]) -> tuple[list[torch.nn.Module], 
     return decoder + others, len(decoder)
 
 
+def check_settings(*, model: str, pooling: str, epochs: int, learning_rate: float, temperature: float,
+                   output_dir: str) -> None:
+    """Refuse, before any model work, what `tune_model` cannot do (ValueError naming it)."""
+    if epochs < 1 or learning_rate <= 0 or temperature <= 0:
+        raise ValueError(f"epochs >= 1, learning_rate > 0 and temperature > 0 needed, got {epochs}, "
+                         f"{learning_rate}, {temperature}")
+    if pooling not in ("mean", "last"):
+        raise ValueError(f"pooling must be 'mean' or 'last', not {pooling!r}")
+    if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
+        raise ValueError(f"output_dir={output_dir!r} exists and is not an empty directory; a tuning writes a new one")
+    if model.endswith(".gguf"):
+        raise ValueError(f"model={model!r}: tune a model directory, 'embedded' or a hub id; a .gguf file's "
+                         f"dequantized weights do not save as a model directory")
+
+
 def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir: str, model: str = "embedded",
                layers: Sequence[int] = (-1,), pooling: str = "mean", epochs: int = 4, learning_rate: float = 1e-4,
                temperature: float = 0.1, seed: int = 0, base_lexical_alpha: float | None = None,
                trust_remote_code: bool = False, log: Callable[[str], None] | None = None) -> TuningRecord:
     """Tune `model` on `texts` and their `labels` (names of `task`'s labels) read in `task`'s
-    prompt, and write the tuned model directory to `output_dir` (all or nothing: built
+    prompt (a label with a single row joins no batch: a contrastive pair needs two), and write the tuned model directory to `output_dir` (all or nothing: built
     beside it, then renamed; it must not exist, or be empty).
 
     Raises:
@@ -133,15 +148,12 @@ def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir:
     texts, labels = list(texts), [str(v) for v in labels]
     if len(texts) != len(labels):
         raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
-    if epochs < 1 or learning_rate <= 0 or temperature <= 0:
-        raise ValueError(f"epochs >= 1, learning_rate > 0 and temperature > 0 needed, got {epochs}, "
-                         f"{learning_rate}, {temperature}")
-    if pooling not in ("mean", "last"):
-        raise ValueError(f"pooling must be 'mean' or 'last', not {pooling!r}")
-    if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
-        raise ValueError(f"output_dir={output_dir!r} exists and is not an empty directory; a tuning writes a new one")
+    check_settings(model=model, pooling=pooling, epochs=epochs, learning_rate=learning_rate,
+                   temperature=temperature, output_dir=output_dir)
     task = task.replace(scoring="auto", head=None, calibration=False)
-    check_labels(task, labels)
+    counts = check_labels(task, labels)
+    if max(counts.values()) < 2:
+        raise ValueError("no label has two rows: a contrastive tuning needs pairs of rows of one label")
     torch.manual_seed(seed)
     loaded = load_model(model, prepack=False, trust_remote_code=trust_remote_code)  # weights change: no prepacked copies
     clf = PrefixClassifier(task=task, loaded=loaded, verify=False, prefix_attention="expanded")
@@ -168,8 +180,6 @@ def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir:
                 loss.backward()
                 optimizer.step()
                 epoch_losses.append(float(loss.detach()))
-            if not epoch_losses:
-                raise ValueError("no label has two rows: a contrastive tuning needs pairs of rows of one label")
             losses.append(round(sum(epoch_losses) / len(epoch_losses), 4))
             if log is not None:
                 log(f"epoch {epoch + 1}/{epochs}: loss {losses[-1]} ({time.perf_counter() - start:.0f} s)")
