@@ -32,8 +32,6 @@ import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
-from beam_prefix.tasks.task import TaskSpec
-from beam_prefix.tasks.task_file import read_task_file
 from beam_prefix.model.loading import precision_of
 from beam_prefix.engines.head_fitting import check_labels, fit_head_from_features as fit_head, task_label_rows
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
@@ -42,7 +40,8 @@ from pipelines.fit_io import FeatureStaging, write_head
 from pipelines.launch import explain
 from pipelines.local_rows import local_columns, local_paths
 from pipelines.summary import write_json
-from pipelines.options import StepOptions, join_negative_lists, refuse_unknown_flags, task_path
+from pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_unknown_flags, task_path,
+                               task_without_head)
 from pipelines.publish import Output
 from pipelines.reads import input_reads, refuse_overlap, task_reads
 from pipelines.sources import input_format, read_rows, require_columns, input_schema
@@ -82,28 +81,6 @@ class FitOptions(PipelineOptions):
         group.add_argument("--folds", type=int, default=5,
                            help="pipelines.fit: folds of the stratified cross-validation that chooses the "
                                 "regularisation (fewer when a label has fewer rows).")
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    try:
-        layers = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--layers={text!r}: expected comma-separated integers, e.g. -1 or -1,20") from None
-    if not layers:
-        raise ValueError("--layers needs at least one index")
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"--layers={text!r}: each layer once (the features would repeat)")
-    return layers
-
-
-def _task_without_head(path: str) -> TaskSpec:
-    """The task file's task as its features see it: a ``scoring: head`` task's head is what
-    this run writes, so it is not read (and need not exist yet)."""
-    data = read_task_file(path)
-    if isinstance(data, dict) and data.get("scoring") == "head":
-        data = {k: v for k, v in data.items() if k != "head"} | {"scoring": "auto"}
-    task = TaskSpec.from_dict(data, source=f"task file {path!r}")
-    return task if task.name != "task" else task.replace(name=os.path.splitext(os.path.basename(path))[0])
 
 
 def _labels_at_launch(options: PipelineOptions, column: str):
@@ -149,7 +126,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     if given:
         raise ValueError(f"--{given[0]} does not apply to pipelines.fit: it writes one head file (--output) "
                          f"and, with --summary_output, its summary JSON; it writes no rows")
-    layers = _layers(f.layers)
+    layers = parse_layers(f.layers)
     task_file = task_path(o.task or "support_tickets")
     # the head this run writes may replace the one the task names (not read here), never
     # the input or the task file
@@ -158,7 +135,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     refuse_overlap(outputs, input_reads(options) + task_reads(task_file, with_head=False))
     if o.summary_output and o.summary_output == o.output:
         raise ValueError("--summary_output and --output are the same path: the summary would replace the head")
-    task = _task_without_head(task_file)
+    task = task_without_head(task_file)
     if o.bigquery_endpoint:
         bigquery_endpoint.install(bigquery_endpoint.Endpoint(rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
                                                              project=None))

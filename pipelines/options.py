@@ -21,6 +21,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 
 from beam_prefix.model.loading import EMBEDDED, check_device
 from beam_prefix.tasks.task import TaskSpec
+from beam_prefix.tasks.task_file import read_task_file
 from beam_prefix.beam.classify_transform import ClassifyText
 
 __all__ = ["StepOptions", "ClassifyOptions", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
@@ -275,3 +276,26 @@ def refuse_unknown_flags(argv: Sequence[str], own: Sequence[type], prog: str) ->
         close = difflib.get_close_matches(flags[0], known, n=1, cutoff=0.6)
         raise ValueError(f"unknown flag {flags[0]}" + (f"; did you mean {close[0]}?" if close else "")
                          + f" ({prog} --help lists the flags; Beam's own are accepted too)")
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """A ``--layers`` value (comma-separated hidden-state indices) as a tuple."""
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--layers={text!r}: expected comma-separated integers, e.g. -1 or -1,20") from None
+    if not layers:
+        raise ValueError("--layers needs at least one index")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"--layers={text!r}: each layer once (the features would repeat)")
+    return layers
+
+
+def task_without_head(path: str) -> TaskSpec:
+    """The task file's task as its features see it: a ``scoring: head`` task's head is what
+    a fit or a tuning writes, so it is not read (and need not exist yet)."""
+    data = read_task_file(path)
+    if isinstance(data, dict) and data.get("scoring") == "head":
+        data = {k: v for k, v in data.items() if k != "head"} | {"scoring": "auto"}
+    task = TaskSpec.from_dict(data, source=f"task file {path!r}")
+    return task if task.name != "task" else task.replace(name=os.path.splitext(os.path.basename(path))[0])

@@ -34,10 +34,9 @@ import time
 import yaml
 
 from beam_prefix.tasks.task_file import read_task_file
-from pipelines.fit import _layers, _task_without_head
 from pipelines.launch import explain
 from pipelines.local_rows import local_columns, local_paths
-from pipelines.options import join_negative_lists, task_path
+from pipelines.options import join_negative_lists, parse_layers, task_path, task_without_head
 from pipelines.summary import write_json
 
 __all__ = ["run", "main", "parser"]
@@ -111,9 +110,9 @@ def run(argv: list[str] | None = None) -> dict:
     if args.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {args.folds}")
     task_file = task_path(args.task or "support_tickets")
-    task = _task_without_head(task_file)
+    task = task_without_head(task_file)
     named = _named_head(task_file)
-    layers = _layers(args.layers) if args.layers else tuple(named.layers) if named else (-1,)
+    layers = parse_layers(args.layers) if args.layers else tuple(named.layers) if named else (-1,)
     pooling = args.pooling or (named.pooling if named else "last")
     texts, labels = _rows(args)
     check_labels(task, labels)  # before any model work
