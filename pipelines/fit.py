@@ -37,7 +37,7 @@ from beam_prefix.engines.head_fitting import check_labels, fit_head_from_feature
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
 from pipelines.fit_io import FeatureStaging, write_head
-from pipelines.launch import explain
+from pipelines.launch import in_process_main
 from pipelines.local_rows import local_columns, local_paths
 from pipelines.summary import write_json
 from pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_unknown_flags, task_path,
@@ -225,20 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         FitOptions._add_argparse_args(parser)
         parser.print_help()
         return 0
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("beam_prefix", "pipelines"):
-        logging.getLogger(name).setLevel(logging.INFO)
-    try:
-        summary = run(argv)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:  # noqa: BLE001 - one line, the detail in the log
-        _LOGGER.error("the run's error:\n%s", e)
-        print(explain(e), file=sys.stderr, flush=True)
-        return 1
-    print(_format(summary), flush=True)
-    return 0
+    return in_process_main(argv, run, _format, logger=_LOGGER)
 
 
 def _format(s: dict) -> str:

@@ -31,7 +31,7 @@ from pipelines.sources import read_rows
 from pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
                                write_json)
 
-__all__ = ["Plan", "build", "run_reads", "read_run_write", "run", "main", "explain", "RunFailed"]
+__all__ = ["Plan", "build", "run_reads", "read_run_write", "run", "main", "in_process_main", "explain", "RunFailed"]
 
 _LOGGER = logging.getLogger("pipelines")
 
@@ -298,3 +298,23 @@ def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOp
         print(explain(e, plan[0].outputs if plan else None), file=sys.stderr, flush=True)
         return 1
     return 0 if summary["accounted_for"] else 1
+
+
+def in_process_main(argv: list[str] | None, run_fn, report, *, logger: logging.Logger) -> int:
+    """Run `run_fn(argv)` of a CLI whose work ends in this process (`pipelines.fit`,
+    `pipelines.tune`) and print `report(summary)`. Exit status: 0 done, 1 the run failed,
+    2 bad flags or input (a ValueError)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("beam_prefix", "pipelines"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        summary = run_fn(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:  # noqa: BLE001 - one line, the detail in the log
+        logger.error("the run's error:\n%s", e)
+        print(explain(e), file=sys.stderr, flush=True)
+        return 1
+    print(report(summary), flush=True)
+    return 0

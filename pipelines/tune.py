@@ -34,7 +34,7 @@ import time
 import yaml
 
 from beam_prefix.tasks.task_file import read_task_file
-from pipelines.launch import explain
+from pipelines.launch import in_process_main
 from pipelines.local_rows import local_columns, local_paths
 from pipelines.options import join_negative_lists, parse_layers, task_path, task_without_head
 from pipelines.summary import write_json
@@ -185,28 +185,17 @@ def _facts(head) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run from the command line: 0 done, 1 the run failed, 2 bad flags or input."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("beam_prefix", "pipelines"):
-        logging.getLogger(name).setLevel(logging.INFO)
-    try:
-        summary = run(argv)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:  # noqa: BLE001 - one line, the detail in the log
-        _LOGGER.error("the run's error:\n%s", e)
-        print(explain(e), file=sys.stderr, flush=True)
-        return 1
-    b, t = summary["base_head"], summary["tuned_head"]
-    print(f"tuned model written: {summary['output']} (model id {summary['model_id']}; layers 1-"
-          f"{summary['tuned_layers']} tuned, {summary['epochs']} epochs, {summary['tune_s']:.0f} s, "
-          f"loss {summary['losses'][0]} -> {summary['losses'][-1]})\n"
-          f"head: {summary['head']}; task: {summary['task_file']}\n"
-          f"base model's head: {b['folds']}-fold accuracy {b['kfold_accuracy']}, n-grams weighed {b['lexical_alpha']:g}\n"
-          f"tuned model's head: n-grams weighed {t['lexical_alpha']:g} (the base's); its folds ran over rows the "
-          f"tuning saw, so its fold accuracy ({t['kfold_accuracy']}) overrates it: measure on rows that tuned nothing",
-          flush=True)
-    return 0
+    return in_process_main(argv, run, _format, logger=_LOGGER)
+
+
+def _format(s: dict) -> str:
+    b, t = s["base_head"], s["tuned_head"]
+    return (f"tuned model written: {s['output']} (model id {s['model_id']}; layers 1-{s['tuned_layers']} tuned, "
+            f"{s['epochs']} epochs, {s['tune_s']:.0f} s, loss {s['losses'][0]} -> {s['losses'][-1]})\n"
+            f"head: {s['head']}; task: {s['task_file']}\n"
+            f"base model's head: {b['folds']}-fold accuracy {b['kfold_accuracy']}, n-grams weighed {b['lexical_alpha']:g}\n"
+            f"tuned model's head: n-grams weighed {t['lexical_alpha']:g} (the base's); its folds ran over rows the "
+            f"tuning saw, so its fold accuracy ({t['kfold_accuracy']}) overrates it: measure on rows that tuned nothing")
 
 
 if __name__ == "__main__":
