@@ -102,9 +102,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(join_negative_lists(list(sys.argv[1:] if argv is None else argv), ("--layers",)))
     if "://" in args.output:
         raise ValueError(f"--output={args.output!r}: pipelines.tune writes a local directory")
-    if os.path.exists(args.output) and (not os.path.isdir(args.output) or os.listdir(args.output)):
-        raise ValueError(f"--output={args.output!r} exists and is not an empty directory: a tuning writes a new one "
-                         f"(so it never writes over the model, the task or the input it reads)")
+    # a new or empty --output: so it never writes over the model, the task or the input it reads
     check_settings(model=args.model, pooling=args.pooling or "mean", epochs=args.epochs,
                    learning_rate=args.learning_rate, temperature=args.temperature, output_dir=args.output)
     if args.folds < 2:
@@ -114,6 +112,10 @@ def run(argv: list[str] | None = None) -> dict:
     named = _named_head(task_file)
     layers = parse_layers(args.layers) if args.layers else tuple(named.layers) if named else (-1,)
     pooling = args.pooling or (named.pooling if named else "last")
+    if args.summary_output:
+        read = {os.path.realpath(p) for p in local_paths(args.input) + [task_file]}
+        if os.path.realpath(args.summary_output) in read:
+            raise ValueError(f"--summary_output={args.summary_output!r} is a file this run reads (--input or --task)")
     texts, labels = _rows(args)
     check_labels(task, labels)  # before any model work
     set_torch_threads(args.torch_threads)

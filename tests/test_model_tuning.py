@@ -166,6 +166,8 @@ def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tiny_dir}"]) == 2  # the model it reads
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", "--learning_rate=0"]) == 2
     assert "learning_rate > 0" in capsys.readouterr().err
+    assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", f"--summary_output={SAMPLE}"]) == 2
+    assert "a file this run reads" in capsys.readouterr().err
     gaps = tmp_path / "gaps.csv"
     gaps.write_text("text,label\nmy invoice is wrong,billing\n,technical\nlocked out,\n")
     assert tune.main([*common, f"--input={gaps}", f"--output={tmp_path}/out"]) == 2
