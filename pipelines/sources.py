@@ -37,11 +37,17 @@ _LOGGER = logging.getLogger(__name__)
 
 def input_format(options: PipelineOptions) -> str:
     o = options.view_as(StepOptions)
-    if o.input_format:
-        return o.input_format
-    pattern = (o.input or "").lower()
+    return format_of(o.input, o.input_format)
+
+
+def format_of(pattern: str | None, given: str | None = None) -> str:
+    """The input format: `given` (--input_format), else from `pattern`'s extension
+    (.csv; .jsonl, .json, .ndjson), else parquet."""
+    if given:
+        return given
+    lower = (pattern or "").lower()
     for ext, fmt in ((".jsonl", "jsonl"), (".json", "jsonl"), (".ndjson", "jsonl"), (".csv", "csv")):
-        if pattern.endswith(ext):
+        if lower.endswith(ext):
             return fmt
     return "parquet"
 

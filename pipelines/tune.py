@@ -36,13 +36,13 @@ import yaml
 from beam_prefix.tasks.task_file import read_task_file
 from pipelines.launch import in_process_main
 from pipelines.local_rows import local_columns, local_paths
-from pipelines.options import join_negative_lists, parse_layers, task_path, task_without_head
+from pipelines.options import INPUT_FORMATS, join_negative_lists, parse_layers, task_path, task_without_head
+from pipelines.sources import format_of
 from pipelines.summary import write_json
 
 __all__ = ["run", "main", "parser"]
 
 _LOGGER = logging.getLogger("pipelines.tune")
-INPUT_FORMATS = ("csv", "jsonl", "parquet")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -72,18 +72,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _input_format(args) -> str:
-    if args.input_format:
-        return args.input_format
-    lower = args.input.lower()
-    return "csv" if lower.endswith(".csv") else "jsonl" if lower.endswith((".jsonl", ".json", ".ndjson")) else "parquet"
-
-
 def _rows(args) -> tuple[list[str], list[str]]:
     paths = local_paths(args.input)
     if not paths:
         raise ValueError(f"--input={args.input!r} matches no local file (pipelines.tune reads local files)")
-    rows = local_columns(paths, _input_format(args), [args.text_column, args.label_column])
+    rows = local_columns(paths, format_of(args.input, args.input_format), [args.text_column, args.label_column])
     bad = [i for i, r in enumerate(rows) if r is None or r[0] in (None, "") or r[1] in (None, "")]
     if bad:
         raise ValueError(f"{len(bad)} of {len(rows)} input rows have no {args.text_column!r} text or no "
