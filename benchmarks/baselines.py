@@ -45,7 +45,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.data import DATA, RESULTS, TASKS, csv_rows
+from benchmarks.data import DATA, RESULTS, TASKS, csv_rows, write_results
 
 
 def _few(rows, per_label=10):
@@ -303,9 +303,6 @@ def run(argv=None) -> dict | None:
 
 
 def _write(report: dict, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "baselines.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
     cost = report["cost"]["ms_per_row_best"]
     lines = [f"# Banking77: ours against what users pick instead ({report['date']}, {report['cpus']} CPUs)", "",
              f"Accuracy on the {report['test']:,} test rows; fit on the full train split ({report['train']:,} rows) "
@@ -344,8 +341,7 @@ def _write(report: dict, out_dir: str) -> None:
                       f"{h.get('kfold_accuracy')} overrates it (the folds' rows were tuned on). Its cost per row is "
                       f"the early-exit head's (the same layers run). Full split: "
                       + _full_tuning(report)]
-    with open(os.path.join(out_dir, "baselines.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(out_dir, "baselines", report, "\n".join(lines) + "\n")
 
 
 def _full_tuning(report: dict) -> str:

@@ -1,10 +1,11 @@
 """Where the benchmarks read and write (the project's data, tasks and results directories),
-their rows (the project's CSV files read one way) and the sample tickets cycled to any
-number of rows."""
+their rows (the project's CSV files read one way), the sample tickets cycled to any
+number of rows, and a report written as ``<name>.json`` beside ``<name>.md``."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,3 +24,12 @@ def sample_tickets(rows: int) -> list[str]:
     """`rows` texts: the 60 sample tickets, cycled."""
     tickets = [t for t, _ in csv_rows(os.path.join(DATA, "sample_tickets.csv"))]
     return [tickets[i % len(tickets)] for i in range(rows)]
+
+
+def write_results(out_dir: str, name: str, report: dict, markdown: str, *, indent: int = 1) -> None:
+    """`report` as ``<name>.json`` and `markdown` as ``<name>.md`` under `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=indent)
+    with open(os.path.join(out_dir, f"{name}.md"), "w", encoding="utf-8") as f:
+        f.write(markdown)

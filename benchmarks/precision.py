@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from benchmarks.data import DATA, RESULTS, TASKS, csv_rows
+from benchmarks.data import DATA, RESULTS, TASKS, csv_rows, write_results
 
 PRECISIONS = ("float32", "bfloat16 linears", "bfloat16 whole model")
 
@@ -159,9 +159,6 @@ def run(argv=None) -> dict:
 
 
 def _write(report: dict, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "precision.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
     s, h, b, e = report["support"], report["support_heldout"], report["banking77_lm"], report["extraction"]
     lines = [f"# Half precision against float32, embedded model on the CPU ({report['date']}, {report['cpus']} CPUs, "
              f"torch {report['torch']})", "",
@@ -187,8 +184,7 @@ def _write(report: dict, out_dir: str) -> None:
             lambda p: f"{c[p]['ms_per_row_best']}" if p in c else "-")
     lines += ["", "Speed-up of bfloat16 linears over float32: " + "; ".join(
         f"{what} {c['float32 / bfloat16 linears']}x" for what, c in report["cost"].items()) + "."]
-    with open(os.path.join(out_dir, "precision.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(out_dir, "precision", report, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

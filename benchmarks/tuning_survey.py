@@ -23,7 +23,6 @@ Writes `tuning_survey.json` and `tuning_survey.md` under `--out_dir`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import tempfile
@@ -32,7 +31,7 @@ import time
 import numpy as np
 
 from benchmarks.baselines import _few
-from benchmarks.data import DATA, RESULTS, TASKS, csv_rows
+from benchmarks.data import DATA, RESULTS, TASKS, csv_rows, write_results
 
 LAYERS = (6, 12)
 GRID_C = (0.01, 0.1, 1.0)
@@ -117,11 +116,7 @@ def run(argv=None) -> dict:
         # its head as pipelines.tune fits it: the n-gram weight the base model's folds chose
         report["tuned"] = measure(out, task, few, val, lexical_alpha=report["untuned"]["fit_head_alpha"])
     print("tuned:", report["tuned"]["fit_head_val_accuracy"], report["tuned"]["grid_best"], flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "tuning_survey.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.join(args.out_dir, "tuning_survey.md"), "w") as f:
-        f.write(_markdown(report))
+    write_results(args.out_dir, "tuning_survey", report, _markdown(report), indent=2)
     return report
 
 
