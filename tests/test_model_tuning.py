@@ -121,6 +121,8 @@ def test_fit_head_takes_a_given_ngram_weight_and_still_records_the_folds(tiny_di
     head = fit_head(clf, texts, labels, folds=2, lexical_alpha=3.0)
     assert head.lexical is not None and head.lexical.alpha == 3.0 and head.metrics["lexical_alpha_given"]
     assert set(head.metrics["kfold_accuracy_by_lexical_alpha"]) >= {"0.0", "3.0"}
+    with pytest.raises(ValueError, match="lexical_alpha must be >= 0"):
+        fit_head(clf, texts, labels, folds=2, lexical_alpha=-1.0)
 
 
 def test_tune_model_refuses_a_directory_with_files_and_labels_the_task_lacks(tiny_dir, tmp_path):

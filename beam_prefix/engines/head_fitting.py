@@ -122,6 +122,9 @@ def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list
     from sklearn.metrics import f1_score
     from sklearn.model_selection import StratifiedKFold
 
+    if lexical_alpha is not None and not lexical_alpha >= 0:
+        raise ValueError(f"lexical_alpha must be >= 0 (0 drops the n-grams), got {lexical_alpha}")
+
     mean = features.mean(0)
     std = features.std(0)
     std[std < 1e-6] = 1.0
