@@ -1,6 +1,7 @@
 """Does tuning the model itself lift a Banking77 head at 10 rows per intent? (#35)
 
     python -m benchmarks.tuning_survey [--epochs 4] [--learning_rate 1e-4] [--out_dir benchmarks/results]
+        [--name tuning_survey]
 
 Measured on **training rows only**: the 770 rows of `benchmarks.baselines`' 10-per-intent
 regime tune and fit; 1,000 other rows of the train split (seed 1), which tune and fit
@@ -17,7 +18,7 @@ Reported for the untuned and the tuned model: `fit_head`'s validation accuracy (
 `pipelines.fit` would ship) and, because `fit_head`'s folds run over rows the tuned model
 was trained on (so they overrate its hidden states and underweigh the n-grams), a grid of
 logistic-regression C and n-gram weight on the validation rows.
-Writes `tuning_survey.json` and `tuning_survey.md` under `--out_dir`.
+Writes `<name>.json` and `<name>.md` under `--out_dir`.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def run(argv=None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.1)
     parser.add_argument("--val_rows", type=int, default=1000)
     parser.add_argument("--out_dir", default=RESULTS)
+    parser.add_argument("--name", default="tuning_survey", help="report file name (without .json/.md)")
     parser.add_argument("--label_rows_in_tuning", action="store_true",
                         help="the task's label rows (each intent's name as text) join the tuning rows too")
     args = parser.parse_args(argv)
@@ -116,7 +118,7 @@ def run(argv=None) -> dict:
         # its head as pipelines.tune fits it: the n-gram weight the base model's folds chose
         report["tuned"] = measure(out, task, few, val, lexical_alpha=report["untuned"]["fit_head_alpha"])
     print("tuned:", report["tuned"]["fit_head_val_accuracy"], report["tuned"]["grid_best"], flush=True)
-    write_results(args.out_dir, "tuning_survey", report, _markdown(report), indent=2)
+    write_results(args.out_dir, args.name, report, _markdown(report), indent=2)
     return report
 
 
