@@ -40,13 +40,13 @@ GRID_ALPHA = (0.0, 0.5, 1.0, 2.0)
 
 
 def tune(task, rows, *, epochs: int, learning_rate: float, temperature: float, out: str, seed: int = 0,
-         spec: str = "embedded") -> list[float]:
+         spec: str = "embedded", labels_per_batch: int = 16) -> list[float]:
     """`model_tuning.tune_model` on `rows` (what `pipelines.tune` runs)."""
     from beam_prefix.engines.model_tuning import tune_model
 
     record = tune_model(task, [t for t, _ in rows], [g for _, g in rows], output_dir=out, model=spec, layers=LAYERS,
                         pooling="mean", epochs=epochs, learning_rate=learning_rate, temperature=temperature,
-                        seed=seed, log=print)
+                        seed=seed, labels_per_batch=labels_per_batch, log=print)
     return list(record.losses)
 
 
@@ -91,6 +91,7 @@ def run(argv=None) -> dict:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=0.1)
+    parser.add_argument("--labels_per_batch", type=int, default=16)
     parser.add_argument("--val_rows", type=int, default=1000)
     parser.add_argument("--out_dir", default=RESULTS)
     parser.add_argument("--name", default="tuning_survey", help="report file name (without .json/.md)")
@@ -104,7 +105,8 @@ def run(argv=None) -> dict:
     task = TaskSpec.from_yaml(os.path.join(TASKS, "banking77_fast_head.yaml")).replace(scoring="auto", head=None)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "few": len(few), "val": len(val),
               "layers": list(LAYERS), "epochs": args.epochs, "learning_rate": args.learning_rate,
-              "temperature": args.temperature, "label_rows_in_tuning": args.label_rows_in_tuning,
+              "temperature": args.temperature, "labels_per_batch": args.labels_per_batch,
+              "label_rows_in_tuning": args.label_rows_in_tuning,
               "untuned": measure("embedded", task, few, val)}
     print("untuned:", report["untuned"]["fit_head_val_accuracy"], report["untuned"]["grid_best"], flush=True)
     with tempfile.TemporaryDirectory() as out:
@@ -113,7 +115,7 @@ def run(argv=None) -> dict:
 
         rows = few + (list(zip(*task_label_rows(task))) if args.label_rows_in_tuning else [])
         report["losses"] = tune(task, rows, epochs=args.epochs, learning_rate=args.learning_rate,
-                                temperature=args.temperature, out=out)
+                                temperature=args.temperature, out=out, labels_per_batch=args.labels_per_batch)
         report["tune_s"] = round(time.perf_counter() - start, 1)
         # its head as pipelines.tune fits it: the n-gram weight the base model's folds chose
         report["tuned"] = measure(out, task, few, val, lexical_alpha=report["untuned"]["fit_head_alpha"])
@@ -127,7 +129,8 @@ def _markdown(r: dict) -> str:
     lines = [f"# Tuning the embedded model on 10 rows per intent ({r['date']}, {r['cpus']} CPUs)", "",
              f"Training rows only: {r['few']} rows tune and fit, {r['val']} other training rows measure "
              f"(the test split is not read). Layers 1-{max(r['layers'])} tuned, {r['epochs']} epochs, "
-             f"AdamW {r['learning_rate']}, supervised contrastive loss (temperature {r['temperature']}) on the "
+             f"AdamW {r['learning_rate']}, batches of 4 rows of {r.get('labels_per_batch', 16)} labels, "
+             f"supervised contrastive loss (temperature {r['temperature']}) on the "
              f"mean-pooled states of layers {r['layers']}"
              + (", the task's label rows in the tuning rows too" if r.get("label_rows_in_tuning") else "")
              + f"; {r['tune_s']} s; loss per epoch {r['losses']}.", "",

@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=4, help="Passes over the rows (default 4).")
     p.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW learning rate (default 1e-4).")
     p.add_argument("--temperature", type=float, default=0.1, help="Contrastive loss temperature (default 0.1).")
+    p.add_argument("--labels_per_batch", type=int, default=16,
+                   help="Labels in each tuning batch, 4 rows each (default 16).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the batches and the weights' updates.")
     p.add_argument("--folds", type=int, default=5, help="Folds that choose the heads' regularisation.")
     p.add_argument("--torch_threads", type=int, default=None, help="torch intra-op threads for this process.")
@@ -97,7 +99,8 @@ def run(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--output={args.output!r}: pipelines.tune writes a local directory")
     # a new or empty --output: so it never writes over the model, the task or the input it reads
     check_settings(model=args.model, pooling=args.pooling or "mean", epochs=args.epochs,
-                   learning_rate=args.learning_rate, temperature=args.temperature, output_dir=args.output)
+                   learning_rate=args.learning_rate, temperature=args.temperature, output_dir=args.output,
+                   labels_per_batch=args.labels_per_batch)
     if args.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {args.folds}")
     task_file = task_path(args.task or "support_tickets")
@@ -129,7 +132,8 @@ def run(argv: list[str] | None = None) -> dict:
     try:
         record = tune_model(task, texts, labels, output_dir=staging, model=args.model, layers=layers, pooling=pooling,
                             epochs=args.epochs, learning_rate=args.learning_rate, temperature=args.temperature,
-                            seed=args.seed, base_lexical_alpha=alpha, log=_LOGGER.info)
+                            seed=args.seed, base_lexical_alpha=alpha, labels_per_batch=args.labels_per_batch,
+                            log=_LOGGER.info)
         tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(staging))  # its self-check: cached == full
         head = fit_head(tuned, texts, labels, layers=layers, pooling=pooling, folds=args.folds, label_rows=label_rows,
                         lexical_alpha=alpha)

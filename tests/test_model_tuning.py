@@ -115,6 +115,27 @@ def test_a_head_of_the_base_model_is_refused_on_the_tuned_one_and_the_reverse(ti
         PrefixClassifier.check_fits(task, fit_on)
 
 
+def test_a_record_from_before_labels_per_batch_reads_as_16_and_keeps_its_model_id(tuned):
+    """Tuned directories written before the setting existed ran with 16 labels a batch: their
+    records read as that, and their ids (in every head fit on them) do not change."""
+    import dataclasses
+    import hashlib
+    import json
+
+    from beam_prefix.model.tuning_record import TuningRecord
+
+    _, record = tuned
+    assert record.labels_per_batch == 16
+    old = json.loads(record.to_json())
+    del old["labels_per_batch"]
+    read = TuningRecord.from_json(json.dumps(old), "old")
+    assert read == record and read.id == record.id
+    before = {k: v for k, v in dataclasses.asdict(record).items() if k not in ("tune_s", "labels_per_batch")}
+    digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+    assert record.id == f"{record.base_model}+tuned-{digest}"  # the formula those ids were made with
+    assert dataclasses.replace(record, labels_per_batch=32).id != record.id
+
+
 def test_fit_head_takes_a_given_ngram_weight_and_still_records_the_folds(tiny_dir):
     texts, labels = _rows()
     clf = PrefixClassifier(task=tiny_task(), loaded=load_model(tiny_dir), verify=False)
@@ -142,11 +163,12 @@ def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_d
     out = tmp_path / "tuned"
     assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
                       f"--model={tiny_dir}", "--layers", "-1", "--pooling=mean", "--epochs=1", "--folds=3",
-                      f"--summary_output={tmp_path}/summary.json"]) == 0
+                      "--labels_per_batch=2", f"--summary_output={tmp_path}/summary.json"]) == 0
     printed = capsys.readouterr().out
     assert "tuned model written" in printed and "overrates" in printed
     record = read_record(str(out))
     assert record.rows == 60 and record.tuned_layers == 3 and (out / TUNING_FILE).exists()
+    assert record.labels_per_batch == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "tuned"]  # no staging left
     task = TaskSpec.from_yaml(out / "support_tickets.yaml")
     assert task.scoring == "head" and task.head.layers == (-1,) and task.head.pooling == "mean"
@@ -168,6 +190,8 @@ def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tiny_dir}"]) == 2  # the model it reads
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", "--learning_rate=0"]) == 2
     assert "learning_rate > 0" in capsys.readouterr().err
+    assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", "--labels_per_batch=1"]) == 2
+    assert "labels_per_batch must be >= 2" in capsys.readouterr().err
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", f"--summary_output={SAMPLE}"]) == 2
     assert "a file this run reads" in capsys.readouterr().err
     gaps = tmp_path / "gaps.csv"

@@ -115,8 +115,11 @@ def tuned_modules(model, layers: Sequence[int]) -> tuple[list[torch.nn.Module], 
 
 
 def check_settings(*, model: str, pooling: str, epochs: int, learning_rate: float, temperature: float,
-                   output_dir: str) -> None:
+                   output_dir: str, labels_per_batch: int = 16) -> None:
     """Refuse, before any model work, what `tune_model` cannot do (ValueError naming it)."""
+    if labels_per_batch < 2:
+        raise ValueError(f"labels_per_batch must be >= 2 (a batch of one label has no negatives), got "
+                         f"{labels_per_batch}")
     if epochs < 1 or learning_rate <= 0 or temperature <= 0:
         raise ValueError(f"epochs >= 1, learning_rate > 0 and temperature > 0 needed, got {epochs}, "
                          f"{learning_rate}, {temperature}")
@@ -132,10 +135,12 @@ def check_settings(*, model: str, pooling: str, epochs: int, learning_rate: floa
 def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir: str, model: str = "embedded",
                layers: Sequence[int] = (-1,), pooling: str = "mean", epochs: int = 4, learning_rate: float = 1e-4,
                temperature: float = 0.1, seed: int = 0, base_lexical_alpha: float | None = None,
-               trust_remote_code: bool = False, log: Callable[[str], None] | None = None) -> TuningRecord:
+               labels_per_batch: int = 16, trust_remote_code: bool = False,
+               log: Callable[[str], None] | None = None) -> TuningRecord:
     """Tune `model` on `texts` and their `labels` (names of `task`'s labels) read in `task`'s
     prompt (a label with a single row joins no batch: a contrastive pair needs two), and write the tuned model directory to `output_dir` (all or nothing: built
-    beside it, then renamed; it must not exist, or be empty).
+    beside it, then renamed; it must not exist, or be empty). A batch holds 4 rows of each of
+    `labels_per_batch` labels (more labels: more negatives per step, fewer steps per epoch).
 
     Raises:
         ValueError: bad settings, labels the task lacks, an `output_dir` that holds files.
@@ -149,7 +154,7 @@ def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir:
     if len(texts) != len(labels):
         raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
     check_settings(model=model, pooling=pooling, epochs=epochs, learning_rate=learning_rate,
-                   temperature=temperature, output_dir=output_dir)
+                   temperature=temperature, output_dir=output_dir, labels_per_batch=labels_per_batch)
     task = task.replace(scoring="auto", head=None, calibration=False)
     counts = check_labels(task, labels)
     if max(counts.values()) < 2:
@@ -173,7 +178,7 @@ def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir:
     try:
         for epoch in range(epochs):
             epoch_losses = []
-            for batch in label_batches(list(enumerate(y)), rng):
+            for batch in label_batches(list(enumerate(y)), rng, labels_per_batch=labels_per_batch):
                 z = train_features(net, clf.layout.prefix_ids, [suffixes[r] for r, _ in batch], layers, pooling)
                 loss = contrastive_loss(z, torch.tensor([label for _, label in batch], device=z.device), temperature)
                 optimizer.zero_grad()
@@ -192,7 +197,8 @@ def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir:
                           layers=tuple(int(i) for i in layers), pooling=pooling,
                           tuned_layers=depth,
                           rows=len(texts), rows_digest=digest, epochs=epochs, learning_rate=learning_rate,
-                          temperature=temperature, seed=seed, losses=tuple(losses),
+                          temperature=temperature, seed=seed, labels_per_batch=labels_per_batch,
+                          losses=tuple(losses),
                           base_lexical_alpha=base_lexical_alpha,
                           created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                           tune_s=round(time.perf_counter() - start, 1))

@@ -29,7 +29,8 @@ class TuningRecord:
         layers, pooling: the features trained (as a head reads them).
         tuned_layers: decoder layers changed (the first ones).
         rows: training rows; rows_digest: hash of their texts and labels.
-        epochs, learning_rate, temperature, seed: the training settings.
+        epochs, learning_rate, temperature, seed, labels_per_batch: the training settings
+            (a record from before labels_per_batch existed reads as 16, what it ran with).
         losses: mean loss per epoch.
         base_lexical_alpha: the n-gram weight the base model's folds chose for these rows
             (None: not measured).
@@ -52,12 +53,15 @@ class TuningRecord:
     base_lexical_alpha: float | None
     created: str
     tune_s: float = 0.0
+    labels_per_batch: int = 16
 
     @property
     def id(self) -> str:
         """The model id of the tuned directory: the base model's and a digest of this record."""
         data = dataclasses.asdict(self)
         data.pop("tune_s")
+        if data["labels_per_batch"] == 16:  # the only value before the setting: those ids stay
+            data.pop("labels_per_batch")
         digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()[:16]
         return f"{self.base_model}+tuned-{digest}"
 
