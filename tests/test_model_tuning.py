@@ -56,6 +56,19 @@ def test_label_batches_hold_each_label_once_per_batch_in_pairs_and_use_every_row
         assert len(per_label) <= 3 and min(per_label.values()) >= 2
 
 
+def test_label_batches_are_full_when_the_rows_allow_it():
+    """10 rows of each of 77 labels in chunks of 4, 4 and 2: a chunk whose label the open batch
+    already holds waits for the next batch instead of closing this one (which left batches of
+    6-10 labels when 16 were asked)."""
+    import random
+
+    rows = [(i, i % 77) for i in range(770)]
+    for wanted in (16, 32):
+        sizes = sorted(len({label for _, label in b}) for b in label_batches(rows, random.Random(0), labels_per_batch=wanted))
+        assert sum(sizes) == 77 * 3 and max(sizes) == wanted
+        assert sum(s < wanted for s in sizes) <= 2  # only where the chunks run out
+
+
 def test_the_training_step_trains_the_features_a_head_reads(tiny_dir):
     """The training step: the engine's forward with gradients gives the cached
     engine's own mean-pooled features (each layer's part unit length), and the gradient

@@ -60,8 +60,9 @@ def contrastive_loss(z: torch.Tensor, y: torch.Tensor, temperature: float) -> to
 def label_batches(rows: Sequence[tuple[int, int]], rng: random.Random, *, per_label: int = 4,
                   labels_per_batch: int = 16) -> list[list[tuple[int, int]]]:
     """One epoch's batches of ``(row, label)`` pairs: each label's rows shuffled and cut in
-    chunks of `per_label` (a chunk needs two rows: a positive pair), chunks shuffled and
-    grouped `labels_per_batch` distinct labels to a batch."""
+    chunks of `per_label` (a chunk needs two rows: a positive pair), chunks shuffled and each
+    put in the first batch that lacks its label and has room, so batches hold
+    `labels_per_batch` distinct labels (fewer only where the rows run out); batches shuffled."""
     by: dict[int, list[int]] = {}
     for row, label in rows:
         by.setdefault(label, []).append(row)
@@ -71,14 +72,20 @@ def label_batches(rows: Sequence[tuple[int, int]], rng: random.Random, *, per_la
         chunks += [(label, shuffled[i:i + per_label]) for i in range(0, len(shuffled), per_label)]
     chunks = [c for c in chunks if len(c[1]) >= 2]
     rng.shuffle(chunks)
-    batches, batch, seen = [], [], set()
+    # first fit: a chunk whose label the open batch holds waits for a later batch instead of
+    # closing it (closing left batches of 6-10 labels when 16 were asked)
+    batches: list[list[tuple[int, list[int]]]] = []
+    labels: list[set[int]] = []
     for label, members in chunks:
-        if label in seen or len(batch) == labels_per_batch:
-            batches.append(batch)
-            batch, seen = [], set()
-        batch.append((label, members))
-        seen.add(label)
-    return [[(r, label) for label, members in b for r in members] for b in batches + [batch] if b]
+        at = next((i for i, held in enumerate(labels) if label not in held and len(held) < labels_per_batch), None)
+        if at is None:
+            at = len(batches)
+            batches.append([])
+            labels.append(set())
+        batches[at].append((label, members))
+        labels[at].add(label)
+    rng.shuffle(batches)
+    return [[(r, label) for label, members in b for r in members] for b in batches]
 
 
 def train_features(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], layers: Sequence[int],
