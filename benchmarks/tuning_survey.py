@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from benchmarks.baselines import _few
+from beam_prefix.model.tuning_record import LABELS_PER_BATCH
 from benchmarks.data import DATA, RESULTS, TASKS, csv_rows, write_results
 
 LAYERS = (6, 12)
@@ -40,7 +41,7 @@ GRID_ALPHA = (0.0, 0.5, 1.0, 2.0)
 
 
 def tune(task, rows, *, epochs: int, learning_rate: float, temperature: float, out: str, seed: int = 0,
-         spec: str = "embedded", labels_per_batch: int = 16) -> list[float]:
+         spec: str = "embedded", labels_per_batch: int = LABELS_PER_BATCH) -> list[float]:
     """`model_tuning.tune_model` on `rows` (what `pipelines.tune` runs)."""
     from beam_prefix.engines.model_tuning import tune_model
 
@@ -91,7 +92,7 @@ def run(argv=None) -> dict:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=0.1)
-    parser.add_argument("--labels_per_batch", type=int, default=16)
+    parser.add_argument("--labels_per_batch", type=int, default=LABELS_PER_BATCH)
     parser.add_argument("--val_rows", type=int, default=1000)
     parser.add_argument("--out_dir", default=RESULTS)
     parser.add_argument("--name", default="tuning_survey", help="report file name (without .json/.md)")
@@ -129,7 +130,7 @@ def _markdown(r: dict) -> str:
     lines = [f"# Tuning the embedded model on 10 rows per intent ({r['date']}, {r['cpus']} CPUs)", "",
              f"Training rows only: {r['few']} rows tune and fit, {r['val']} other training rows measure "
              f"(the test split is not read). Layers 1-{max(r['layers'])} tuned, {r['epochs']} epochs, "
-             f"AdamW {r['learning_rate']}, batches of 4 rows of {r.get('labels_per_batch', 16)} labels, "
+             f"AdamW {r['learning_rate']}, batches of 4 rows of {r.get('labels_per_batch', LABELS_PER_BATCH)} labels, "
              f"supervised contrastive loss (temperature {r['temperature']}) on the "
              f"mean-pooled states of layers {r['layers']}"
              + (", the task's label rows in the tuning rows too" if r.get("label_rows_in_tuning") else "")

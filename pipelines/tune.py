@@ -33,6 +33,7 @@ import time
 
 import yaml
 
+from beam_prefix.model.tuning_record import LABELS_PER_BATCH
 from beam_prefix.tasks.task_file import read_task_file
 from pipelines.launch import in_process_main
 from pipelines.local_rows import local_columns, local_paths
@@ -65,8 +66,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=4, help="Passes over the rows (default 4).")
     p.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW learning rate (default 1e-4).")
     p.add_argument("--temperature", type=float, default=0.1, help="Contrastive loss temperature (default 0.1).")
-    p.add_argument("--labels_per_batch", type=int, default=16,
-                   help="Labels in each tuning batch, 4 rows each (default 16).")
+    p.add_argument("--labels_per_batch", type=int, default=LABELS_PER_BATCH,
+                   help=f"Labels in each tuning batch, 4 rows each (default {LABELS_PER_BATCH}).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the batches and the weights' updates.")
     p.add_argument("--folds", type=int, default=5, help="Folds that choose the heads' regularisation.")
     p.add_argument("--torch_threads", type=int, default=None, help="torch intra-op threads for this process.")

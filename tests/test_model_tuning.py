@@ -59,7 +59,7 @@ def test_label_batches_hold_each_label_once_per_batch_in_pairs_and_use_every_row
 def test_label_batches_are_full_when_the_rows_allow_it():
     """10 rows of each of 77 labels in chunks of 4, 4 and 2: a chunk whose label the open batch
     already holds waits for the next batch instead of closing this one (which left batches of
-    6-10 labels when 16 were asked)."""
+    6-16 labels when 16 were asked)."""
     import random
 
     rows = [(i, i % 77) for i in range(770)]

@@ -13,9 +13,12 @@ import hashlib
 import json
 import os
 
-__all__ = ["TUNING_FILE", "TuningRecord", "read_record"]
+__all__ = ["TUNING_FILE", "LABELS_PER_BATCH", "TuningRecord", "read_record"]
 
 TUNING_FILE = "beam_prefix_tuning.json"
+# labels in a tuning batch by default, and the value of every record written before the
+# setting was recorded (so such records read as it, and their ids leave it out)
+LABELS_PER_BATCH = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,8 @@ class TuningRecord:
         tuned_layers: decoder layers changed (the first ones).
         rows: training rows; rows_digest: hash of their texts and labels.
         epochs, learning_rate, temperature, seed, labels_per_batch: the training settings
-            (a record from before labels_per_batch existed reads as 16, what it ran with).
+            (a record from before labels_per_batch existed reads as LABELS_PER_BATCH, what it
+            ran with).
         losses: mean loss per epoch.
         base_lexical_alpha: the n-gram weight the base model's folds chose for these rows
             (None: not measured).
@@ -53,14 +57,14 @@ class TuningRecord:
     base_lexical_alpha: float | None
     created: str
     tune_s: float = 0.0
-    labels_per_batch: int = 16
+    labels_per_batch: int = LABELS_PER_BATCH
 
     @property
     def id(self) -> str:
         """The model id of the tuned directory: the base model's and a digest of this record."""
         data = dataclasses.asdict(self)
         data.pop("tune_s")
-        if data["labels_per_batch"] == 16:  # the only value before the setting: those ids stay
+        if data["labels_per_batch"] == LABELS_PER_BATCH:  # the only value before the setting: those ids stay
             data.pop("labels_per_batch")
         digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()[:16]
         return f"{self.base_model}+tuned-{digest}"
