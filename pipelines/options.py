@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 from apache_beam.options import pipeline_options as beam_options
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions
@@ -291,10 +291,11 @@ def parse_layers(text: str) -> tuple[int, ...]:
     return layers
 
 
-def task_without_head(path: str) -> TaskSpec:
+def task_without_head(path: str, data: Any = None) -> TaskSpec:
     """The task file's task as its features see it: a ``scoring: head`` task's head is what
-    a fit or a tuning writes, so it is not read (and need not exist yet)."""
-    data = read_task_file(path)
+    a fit or a tuning writes, so it is not read (and need not exist yet). ``data``: the file's
+    parsed document where the caller has read it already (else it is read here)."""
+    data = read_task_file(path) if data is None else data
     if isinstance(data, dict) and data.get("scoring") == "head":
         data = {k: v for k, v in data.items() if k != "head"} | {"scoring": "auto"}
     task = TaskSpec.from_dict(data, source=f"task file {path!r}")

@@ -30,6 +30,7 @@ import os
 import shutil
 import sys
 import time
+from typing import Any
 
 import yaml
 
@@ -105,8 +106,11 @@ def run(argv: list[str] | None = None) -> dict:
     if args.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {args.folds}")
     task_file = task_path(args.task or "support_tickets")
-    task = task_without_head(task_file)
-    named = _named_head(task_file)
+    # read once: the task, its head's layers and the task file written beside the tuned model
+    # (minutes later) all come from the same document
+    task_data = read_task_file(task_file)
+    task = task_without_head(task_file, task_data)
+    named = _named_head(task_file, task_data)
     layers = parse_layers(args.layers) if args.layers else tuple(named.layers) if named else (-1,)
     pooling = args.pooling or (named.pooling if named else "last")
     if args.summary_output:
@@ -141,7 +145,7 @@ def run(argv: list[str] | None = None) -> dict:
         head_name, task_name = f"{task.name}.head", f"{task.name}.yaml"
         head.save(os.path.join(staging, head_name))
         with open(os.path.join(staging, task_name), "w", encoding="utf-8") as f:
-            f.write(_task_yaml(task_file, task.name, head_name, record.id))
+            f.write(_task_yaml(task_file, task_data, task.name, head_name, record.id))
         if os.path.isdir(args.output):
             os.rmdir(args.output)  # empty (checked at launch)
         os.rename(staging, args.output)
@@ -156,19 +160,20 @@ def run(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _named_head(task_file: str):
-    """The head the task file names, if it names one that loads (its layers and pooling)."""
+def _named_head(task_file: str, data: Any):
+    """The head the task file (parsed: ``data``) names, if it names one that loads (its layers
+    and pooling); a relative head path is read beside the task file."""
     from beam_prefix.tasks.task import TaskSpec
 
     try:
-        return TaskSpec.from_yaml(task_file).head
+        return TaskSpec.from_dict(data, source=f"task file {task_file!r}",
+                                  base_dir=os.path.dirname(os.path.abspath(task_file))).head
     except Exception:  # noqa: BLE001 - no head yet, or one for another model: the defaults
         return None
 
 
-def _task_yaml(task_file: str, name: str, head_name: str, model: str) -> str:
-    """The task file's task, answered by the tuned model's head (a path beside it)."""
-    data = read_task_file(task_file)
+def _task_yaml(task_file: str, data: dict, name: str, head_name: str, model: str) -> str:
+    """The task file's task (parsed: ``data``), answered by the tuned model's head (a path beside it)."""
     data = {**{k: v for k, v in data.items() if k not in ("head", "scoring", "calibration")}, "name": name, "scoring": "head",
             "head": head_name}
     return (f"# Written by pipelines.tune from {os.path.basename(task_file)}: its head answers only with the\n"

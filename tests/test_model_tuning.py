@@ -191,6 +191,32 @@ def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_d
         PrefixClassifier.check_fits(task, tiny_dir)
 
 
+def test_pipelines_tune_writes_the_task_as_it_read_it_at_launch(tiny_dir, tmp_path, monkeypatch):
+    """The task file is read once: an edit while the model tunes does not reach the task
+    file written beside the tuned model (which would then disagree with its head)."""
+    from beam_prefix.engines import model_tuning
+    from pipelines import tune
+    from pipelines.options import task_path
+
+    task_file = tmp_path / "tickets.yaml"
+    task_file.write_text(open(task_path("support_tickets"), encoding="utf-8").read(), encoding="utf-8")
+    launched = TaskSpec.from_yaml(task_file)
+    real = model_tuning.tune_model
+
+    def edit_then_tune(*args, **kwargs):
+        task_file.write_text(task_file.read_text(encoding="utf-8").replace(launched.instructions.strip()[:40],
+                                                                           "Edited while tuning."), encoding="utf-8")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_tuning, "tune_model", edit_then_tune)
+    out = tmp_path / "tuned"
+    assert tune.main([f"--task={task_file}", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
+                      f"--model={tiny_dir}", "--layers=-1", "--epochs=1", "--folds=3", "--labels_per_batch=2"]) == 0
+    assert "Edited while tuning." in task_file.read_text(encoding="utf-8")  # the edit happened
+    written = TaskSpec.from_yaml(out / f"{launched.name}.yaml")
+    assert written.instructions == launched.instructions and written.labels == launched.labels
+
+
 def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys):
     from pipelines import tune
 
