@@ -15,7 +15,8 @@ The Beam steps are `beam_prefix.beam.classify_transform.ClassifyText`,
 a task with ``scoring: head`` answers with a head fit by ``python -m pipelines.fit``.
 """
 
-from beam_prefix.engines.classifier import Embedding, Prediction, PrefixClassifier
+from beam_prefix.engines.classifier import PrefixClassifier
+from beam_prefix.engines.predictions import Embedding, Prediction
 from beam_prefix.errors import (BeamPrefixError, BoundaryError, ModelLoadError, RowError,
                                 TaskSpecError, TextTooLongError, VerificationError)
 from beam_prefix.tasks.extract_task import ExtractExample, ExtractionSpec, Field, load_task

@@ -20,7 +20,8 @@ from typing import Sequence
 
 from apache_beam.typehints.row_type import RowTypeConstraint
 
-from beam_prefix.engines.classifier import Embedding, PrefixClassifier
+from beam_prefix.engines.classifier import PrefixClassifier
+from beam_prefix.engines.predictions import Embedding
 from beam_prefix.model.loading import EMBEDDED
 from beam_prefix.beam.schemas import kept_fields
 from beam_prefix.beam.step import PrefixStep, StepConfig, batching_args, stamp
