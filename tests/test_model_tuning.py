@@ -170,34 +170,13 @@ def test_tune_model_refuses_a_directory_with_files_and_labels_the_task_lacks(tin
     assert not (tmp_path / "new").exists()
 
 
-def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_dir, tmp_path, capsys):
-    from pipelines import tune
-
-    out = tmp_path / "tuned"
-    assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
-                      f"--model={tiny_dir}", "--layers", "-1", "--pooling=mean", "--epochs=1", "--folds=3",
-                      "--labels_per_batch=2", f"--summary_output={tmp_path}/summary.json"]) == 0
-    printed = capsys.readouterr().out
-    assert "tuned model written" in printed and "overrates" in printed
-    record = read_record(str(out))
-    assert record.rows == 60 and record.tuned_layers == 3 and (out / TUNING_FILE).exists()
-    assert record.labels_per_batch == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "tuned"]  # no staging left
-    task = TaskSpec.from_yaml(out / "support_tickets.yaml")
-    assert task.scoring == "head" and task.head.layers == (-1,) and task.head.pooling == "mean"
-    clf = PrefixClassifier(task=task, loaded=load_model(str(out)), verify=True)
-    assert clf.mode == "head" and {p.label for p in clf.classify(TEXTS)} <= set(LABELS)
-    with pytest.raises(TaskSpecError, match="was fit on features"):
-        PrefixClassifier.check_fits(task, tiny_dir)
-
-
-def test_pipelines_tune_writes_the_task_as_it_read_it_at_launch(tiny_dir, tmp_path, monkeypatch):
-    """The task file is read once: an edit while the model tunes does not reach the task
-    file written beside the tuned model (which would then disagree with its head)."""
+def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_dir, tmp_path, capsys, monkeypatch):
     from beam_prefix.engines import model_tuning
     from pipelines import tune
     from pipelines.options import task_path
 
+    # the task file is read once, at launch: an edit while the model tunes does not reach the
+    # task file written beside the tuned model (which would then disagree with its head)
     task_file = tmp_path / "tickets.yaml"
     task_file.write_text(open(task_path("support_tickets"), encoding="utf-8").read(), encoding="utf-8")
     launched = TaskSpec.from_yaml(task_file)
@@ -211,10 +190,22 @@ def test_pipelines_tune_writes_the_task_as_it_read_it_at_launch(tiny_dir, tmp_pa
     monkeypatch.setattr(model_tuning, "tune_model", edit_then_tune)
     out = tmp_path / "tuned"
     assert tune.main([f"--task={task_file}", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
-                      f"--model={tiny_dir}", "--layers=-1", "--epochs=1", "--folds=3", "--labels_per_batch=2"]) == 0
+                      f"--model={tiny_dir}", "--layers", "-1", "--pooling=mean", "--epochs=1", "--folds=3",
+                      "--labels_per_batch=2", f"--summary_output={tmp_path}/summary.json"]) == 0
+    printed = capsys.readouterr().out
+    assert "tuned model written" in printed and "overrates" in printed
+    record = read_record(str(out))
+    assert record.rows == 60 and record.tuned_layers == 3 and (out / TUNING_FILE).exists()
+    assert record.labels_per_batch == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "tickets.yaml", "tuned"]  # no staging left
     assert "Edited while tuning." in task_file.read_text(encoding="utf-8")  # the edit happened
-    written = TaskSpec.from_yaml(out / f"{launched.name}.yaml")
-    assert written.instructions == launched.instructions and written.labels == launched.labels
+    task = TaskSpec.from_yaml(out / "support_tickets.yaml")
+    assert task.scoring == "head" and task.head.layers == (-1,) and task.head.pooling == "mean"
+    assert task.instructions == launched.instructions and task.labels == launched.labels
+    clf = PrefixClassifier(task=task, loaded=load_model(str(out)), verify=True)
+    assert clf.mode == "head" and {p.label for p in clf.classify(TEXTS)} <= set(LABELS)
+    with pytest.raises(TaskSpecError, match="was fit on features"):
+        PrefixClassifier.check_fits(task, tiny_dir)
 
 
 def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys):
