@@ -169,7 +169,7 @@ class OursEarlyTuned(OursEarly):
     name = "ours, early exit, tuned: the same, the model's layers 1-12 tuned on the rows (pipelines.tune)"
     shipped = False
     # 4 epochs of 770 rows are 48 steps of 64 rows (benchmarks.tuning_survey); one epoch
-    # of the whole split is 156 steps, about 30 min on 2 cores
+    # of the whole split is 156 steps, about 20-35 min on 2 cores
     few_epochs, full_epochs = 4, 1
 
     def fit(self, rows, label_rows=False):
@@ -224,7 +224,7 @@ def run(argv=None) -> dict | None:
     parser.add_argument("--cost_rows", type=int, default=256)
     parser.add_argument("--out_dir", default=RESULTS)
     parser.add_argument("--tune_full", action="store_true",
-                        help="also tune on the whole train split (one epoch, about 30 min on 2 cores)")
+                        help="also tune on the whole train split (one epoch, about 20-35 min on 2 cores)")
     args = parser.parse_args(argv)
     try:
         import all_minilm_l6_v2  # noqa: F401
@@ -250,7 +250,7 @@ def run(argv=None) -> dict | None:
                        (OursEarlyTuned.name, lambda: OursEarlyTuned(loaded))):
         for regime, rows in (("full train", train), ("10 rows per intent", few)):
             if name == OursEarlyTuned.name and regime == "full train" and not args.tune_full:
-                continue  # ~30 min per epoch over 10,003 rows on 2 cores: --tune_full
+                continue  # ~20-35 min per epoch over 10,003 rows on 2 cores: --tune_full
             start = time.perf_counter()
             if name in shipped and regime == "full train":
                 model = shipped[name]  # the shipped head, fit by pipelines.fit on the same train split
@@ -347,7 +347,7 @@ def _write(report: dict, out_dir: str) -> None:
 def _full_tuning(report: dict) -> str:
     t = report.get("ours_early_tuned_record")
     if not t:
-        return "not tuned in this run (one epoch, about 30 min on 2 cores: `--tune_full`)."
+        return "not tuned in this run (one epoch, about 20-35 min on 2 cores: `--tune_full`)."
     return (f"tuned in this run, {t['epochs']} epoch(s), {t['tune_s']:.0f} s, loss {t['losses'][0]} -> {t['losses'][-1]}, "
             f"its head's n-grams weighed {t['base_lexical_alpha']:g} (the base model's folds).")
 
