@@ -298,5 +298,4 @@ def task_without_head(path: str, data: Any = None) -> TaskSpec:
     data = read_task_file(path) if data is None else data
     if isinstance(data, dict) and data.get("scoring") == "head":
         data = {k: v for k, v in data.items() if k != "head"} | {"scoring": "auto"}
-    task = TaskSpec.from_dict(data, source=f"task file {path!r}")
-    return task if task.name != "task" else task.replace(name=os.path.splitext(os.path.basename(path))[0])
+    return TaskSpec.from_yaml(path, data=data)

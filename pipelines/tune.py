@@ -166,8 +166,7 @@ def _named_head(task_file: str, data: Any):
     from beam_prefix.tasks.task import TaskSpec
 
     try:
-        return TaskSpec.from_dict(data, source=f"task file {task_file!r}",
-                                  base_dir=os.path.dirname(os.path.abspath(task_file))).head
+        return TaskSpec.from_yaml(task_file, data=data).head
     except Exception:  # noqa: BLE001 - no head yet, or one for another model: the defaults
         return None
 

@@ -285,10 +285,11 @@ class TaskSpec(PromptTask):
                                  ("examples", "labels"))
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> "TaskSpec":
-        """Read a task file (YAML, safe-loaded)."""
+    def from_yaml(cls, path: str | os.PathLike, *, data: Any = None) -> "TaskSpec":
+        """Read a task file (YAML, safe-loaded). ``data``: its parsed document, where the caller
+        has read it already (`task_file.read_task_file`), so that one reading serves all."""
         path = os.fspath(path)
-        spec = cls.from_dict(read_task_file(path), source=f"task file {path!r}",
+        spec = cls.from_dict(read_task_file(path) if data is None else data, source=f"task file {path!r}",
                              base_dir=os.path.dirname(os.path.abspath(path)))
         if spec.name == "task":
             spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
