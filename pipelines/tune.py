@@ -13,6 +13,10 @@ local input files (CSV, JSON Lines, Parquet: `pipelines.local_rows`), then
 2. tunes the decoder layers up to the deepest one the head reads (`tune_model`);
 3. fits the head on the tuned model with that n-gram weight.
 
+Tuning runs in float32; `--dtype bfloat16` (or float16 on a GPU) fits both heads on the
+model loaded in that precision, so the written head answers with the tuned model loaded as
+``--dtype bfloat16`` (a head answers only in the precision it was fit in).
+
 `--output` is a new directory (it must not exist, or be empty; so it is never a path the run
 reads), written all or nothing: the tuned model (safetensors, tokenizer, tuning record), the
 head file ``<task>.head`` and the task file ``<task>.yaml`` that answers with it. The
@@ -58,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--label_column", required=True, help="Column holding each row's label.")
     p.add_argument("--output", required=True, help="The directory to write (must not exist, or be empty).")
     p.add_argument("--model", default="embedded", help="The model to tune: 'embedded', a local directory, a hub id.")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="Precision the heads are fit in, so the one the tuned model answers in (classify with the "
+                        "same --dtype); the tuning itself runs in float32. float16 needs a GPU.")
     p.add_argument("--layers", default=None,
                    help="Hidden-state indices the head reads, comma-separated (default: the task's head's, else -1).")
     p.add_argument("--pooling", default=None, choices=("last", "mean"),
@@ -91,6 +98,8 @@ def _rows(args) -> tuple[list[str], list[str]]:
 
 def run(argv: list[str] | None = None) -> dict:
     """Tune, fit, write the directory; returns the summary."""
+    import torch
+
     from beam_prefix import PrefixClassifier, fit_head
     from beam_prefix.engines.head_fitting import check_labels
     from beam_prefix.engines.model_tuning import check_settings, tune_model
@@ -105,6 +114,8 @@ def run(argv: list[str] | None = None) -> dict:
                    labels_per_batch=args.labels_per_batch)
     if args.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {args.folds}")
+    if args.dtype == "float16" and not torch.cuda.is_available():
+        raise ValueError("--dtype=float16 is for GPUs and this machine has no CUDA device; use float32 or bfloat16")
     task_file = task_path(args.task or "support_tickets")
     # read once: the task, its head's layers and the task file written beside the tuned model
     # (minutes later) all come from the same document
@@ -122,9 +133,9 @@ def run(argv: list[str] | None = None) -> dict:
     set_torch_threads(args.torch_threads)
     label_rows = args.label_rows == "true"
     summary: dict = {"output": args.output, "task": task.name, "base_model": args.model, "rows": len(texts),
-                     "layers": list(layers), "pooling": pooling, "label_rows": label_rows}
+                     "layers": list(layers), "pooling": pooling, "label_rows": label_rows, "dtype": args.dtype}
     start = time.perf_counter()
-    base = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(args.model))
+    base = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(args.model, dtype=args.dtype))
     before = fit_head(base, texts, labels, layers=layers, pooling=pooling, folds=args.folds, label_rows=label_rows)
     alpha = before.lexical.alpha if before.lexical is not None else 0.0
     summary["base_head"] = _facts(before)
@@ -139,13 +150,14 @@ def run(argv: list[str] | None = None) -> dict:
                             epochs=args.epochs, learning_rate=args.learning_rate, temperature=args.temperature,
                             seed=args.seed, base_lexical_alpha=alpha, labels_per_batch=args.labels_per_batch,
                             log=_LOGGER.info)
-        tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(staging))  # its self-check: cached == full
+        # its start-up self-check: cached == full re-encoding, within the dtype's tolerance
+        tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(staging, dtype=args.dtype))
         head = fit_head(tuned, texts, labels, layers=layers, pooling=pooling, folds=args.folds, label_rows=label_rows,
                         lexical_alpha=alpha)
         head_name, task_name = f"{task.name}.head", f"{task.name}.yaml"
         head.save(os.path.join(staging, head_name))
         with open(os.path.join(staging, task_name), "w", encoding="utf-8") as f:
-            f.write(_task_yaml(task_file, task_data, task.name, head_name, record.id))
+            f.write(_task_yaml(task_file, task_data, task.name, head_name, record.id, args.dtype))
         if os.path.isdir(args.output):
             os.rmdir(args.output)  # empty (checked at launch)
         os.rename(staging, args.output)
@@ -171,12 +183,13 @@ def _named_head(task_file: str, data: Any):
         return None
 
 
-def _task_yaml(task_file: str, data: dict, name: str, head_name: str, model: str) -> str:
+def _task_yaml(task_file: str, data: dict, name: str, head_name: str, model: str, dtype: str) -> str:
     """The task file's task (parsed: ``data``), answered by the tuned model's head (a path beside it)."""
+    run_with = "--model <this directory>" + ("" if dtype == "float32" else f" --dtype {dtype}")
     data = {**{k: v for k, v in data.items() if k not in ("head", "scoring", "calibration")}, "name": name, "scoring": "head",
             "head": head_name}
     return (f"# Written by pipelines.tune from {os.path.basename(task_file)}: its head answers only with the\n"
-            f"# tuned model of this directory (model id {model}); run with --model <this directory>.\n"
+            f"# tuned model of this directory (model id {model}) in {dtype}; run with {run_with}.\n"
             + yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
 
@@ -194,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _format(s: dict) -> str:
     b, t = s["base_head"], s["tuned_head"]
+    answer = "" if s["dtype"] == "float32" else f" (fit in {s['dtype']}: classify with --dtype {s['dtype']})"
     return (f"tuned model written: {s['output']} (model id {s['model_id']}; layers 1-{s['tuned_layers']} tuned, "
             f"{s['epochs']} epochs, {s['tune_s']:.0f} s, loss {s['losses'][0]} -> {s['losses'][-1]})\n"
-            f"head: {s['head']}; task: {s['task_file']}\n"
+            f"head: {s['head']}{answer}; task: {s['task_file']}\n"
             f"base model's head: {b['folds']}-fold accuracy {b['kfold_accuracy']}, n-grams weighed {b['lexical_alpha']:g}\n"
             f"tuned model's head: n-grams weighed {t['lexical_alpha']:g} (the base's); its folds ran over rows the "
             f"tuning saw, so its fold accuracy ({t['kfold_accuracy']}) overrates it: measure on rows that tuned nothing")

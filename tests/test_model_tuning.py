@@ -208,6 +208,24 @@ def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_d
         PrefixClassifier.check_fits(task, tiny_dir)
 
 
+def test_pipelines_tune_dtype_fits_the_heads_in_that_precision_and_the_head_answers_only_in_it(tiny_dir, tmp_path,
+                                                                                                 capsys):
+    from pipelines import tune
+
+    out = tmp_path / "tuned"
+    assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
+                      f"--model={tiny_dir}", "--layers=1", "--pooling=mean", "--epochs=1", "--folds=2",
+                      "--dtype=bfloat16"]) == 0
+    assert "classify with --dtype bfloat16" in capsys.readouterr().out
+    task = TaskSpec.from_yaml(out / "support_tickets.yaml")
+    assert "--dtype bfloat16" in (out / "support_tickets.yaml").read_text(encoding="utf-8")
+    clf = PrefixClassifier(task=task, loaded=load_model(str(out), dtype="bfloat16"), verify=True)
+    assert clf.mode == "head" and {p.label for p in clf.classify(TEXTS)} <= set(LABELS)
+    PrefixClassifier.check_fits(task, str(out), dtype="bfloat16")
+    with pytest.raises(TaskSpecError, match="was fit on features"):
+        PrefixClassifier.check_fits(task, str(out))  # float32 features: not the head's
+
+
 def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys):
     from pipelines import tune
 
@@ -224,6 +242,9 @@ def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys
     assert "labels_per_batch must be >= 2" in capsys.readouterr().err
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", f"--summary_output={SAMPLE}"]) == 2
     assert "a file this run reads" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", "--dtype=float16"]) == 2
+        assert "float16 is for GPUs" in capsys.readouterr().err
     gaps = tmp_path / "gaps.csv"
     gaps.write_text("text,label\nmy invoice is wrong,billing\n,technical\nlocked out,\n")
     assert tune.main([*common, f"--input={gaps}", f"--output={tmp_path}/out"]) == 2
