@@ -25,8 +25,11 @@ Banking77 (CC-BY-4.0, arXiv 2003.04807): fit on the whole train split (10,003 ro
   above), the shipped fast head's layers and pooling;
 - ours, early exit, tuned: at 10 rows per intent (the whole split with `--tune_full`), the
   model's layers 1-12 tuned on the same rows as `pipelines.tune` tunes them, its head fit
-  on the tuned model (the n-gram weight from the base model's folds); it costs what the
-  early-exit head costs.
+  on the tuned model (the n-gram weight from the base model's folds: the early-exit
+  contender's head of the same rows, `pipelines.tune`'s step 1, not fit twice);
+- ours, early exit, tuned, bfloat16: that tuned model loaded in bf16, its heads fit in bf16
+  with the n-gram weight of the bf16 contender's head of the same rows
+  (`pipelines.tune --dtype bfloat16`).
 
 Cost: ms per row at batch 64 with one torch thread, every contender in this one process,
 best of `--rounds` interleaved rounds over the same `--cost_rows` test rows (features and
@@ -162,17 +165,21 @@ class OursEarlyHalf(OursEarly):
 
 class OursEarlyTuned(OursEarly):
     """The early-exit head on the model tuned on the same rows (`pipelines.tune`'s steps:
-    the base model's folds choose the n-gram weight, layers 1-12 tuned contrastively on the
-    head's features, the head fit on the tuned model with that weight). Its cost per row is
-    the early-exit head's (the same architecture and layers)."""
+    the base model's head on the same rows gives the n-gram weight, layers 1-12 tuned
+    contrastively on the head's features, the head fit on the tuned model with that weight).
+    It runs the early-exit head's layers."""
 
     name = "ours, early exit, tuned: the same, the model's layers 1-12 tuned on the rows (pipelines.tune)"
     shipped = False
+    dtype = "float32"
     # 4 epochs of 770 rows are 48 steps of 64 rows (benchmarks.tuning_survey); one epoch
     # of the whole split is 156 steps, about 20-35 min on 2 cores
     few_epochs, full_epochs = 4, 1
 
-    def fit(self, rows, label_rows=False):
+    def fit(self, rows, label_rows=False, *, base=None, tuned=None):
+        """`base`: the base model's head fit on the same rows in this contender's precision
+        (its n-gram weight; `pipelines.tune`'s step 1, fit once by the early-exit contender);
+        `tuned`: a contender whose model was tuned on the same rows (reused, not tuned again)."""
         import tempfile
 
         from beam_prefix import PrefixClassifier, fit_head
@@ -181,21 +188,33 @@ class OursEarlyTuned(OursEarly):
 
         texts, labels = [t for t, _ in rows], [g for _, g in rows]
         spec = self.task.head
-        before = OursEarly(self.loaded).fit(rows, label_rows=label_rows).head
-        alpha = before.lexical.alpha if before.lexical is not None else 0.0
+        alpha = base.lexical.alpha if base.lexical is not None else 0.0
         task = self.task.replace(scoring="auto", head=None)
-        self._dir = tempfile.TemporaryDirectory()  # lives as long as this contender
-        out = os.path.join(self._dir.name, "tuned")
-        record = tune_model(task, texts, labels, output_dir=out, layers=spec.layers, pooling=spec.pooling,
-                            epochs=self.full_epochs if len(rows) > 2000 else self.few_epochs,
-                            base_lexical_alpha=alpha, log=print)
-        loaded = load_model(out)
-        tuned = PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=True)  # cached == full
-        head = fit_head(tuned, texts, labels, layers=spec.layers, pooling=spec.pooling, label_rows=label_rows,
+        if tuned is None:
+            self._dir = tempfile.TemporaryDirectory()  # lives as long as the contenders holding it
+            out = os.path.join(self._dir.name, "tuned")
+            self.record = tune_model(task, texts, labels, output_dir=out, layers=spec.layers, pooling=spec.pooling,
+                                     epochs=self.full_epochs if len(rows) > 2000 else self.few_epochs,
+                                     base_lexical_alpha=alpha, log=print)
+        else:
+            self._dir, self.record = tuned._dir, tuned.record
+            out = os.path.join(self._dir.name, "tuned")
+        loaded = load_model(out, dtype=self.dtype)
+        on_tuned = PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=True)  # cached == full
+        head = fit_head(on_tuned, texts, labels, layers=spec.layers, pooling=spec.pooling, label_rows=label_rows,
                         lexical_alpha=alpha)
         model = type(self)(loaded, head)
-        model._dir, model.record = self._dir, record
+        model._dir, model.record = self._dir, self.record
         return model
+
+
+class OursEarlyTunedHalf(OursEarlyTuned):
+    """The tuned model (the same tuning, reused) loaded in bfloat16, its head fit in bf16
+    with the bf16 base head's n-gram weight: `pipelines.tune --dtype bfloat16`. It runs the
+    bf16 early-exit head's layers."""
+
+    name = "ours, early exit, tuned, bfloat16: the tuned model in bf16 linears, its head fit in bf16"
+    dtype = "bfloat16"
 
 
 def _label_rows() -> list[tuple[str, str]]:
@@ -243,17 +262,26 @@ def run(argv=None) -> dict | None:
               "few": len(few), "test": len(test), "accuracy": {}, "fit_s": {}}
     shipped = {Ours.name: Ours(loaded), OursEarly.name: OursEarly(loaded)}
     ours = {Ours.name: "ours", OursEarly.name: "ours_early", OursEarlyHalf.name: "ours_early_bf16",
-            OursEarlyTuned.name: "ours_early_tuned"}  # report keys
+            OursEarlyTuned.name: "ours_early_tuned", OursEarlyTunedHalf.name: "ours_early_tuned_bf16"}  # report keys
+    # a tuned contender's base head (its n-gram weight) is the untuned contender's of the same
+    # rows and precision, and the bf16 one reuses the float32 one's tuning (as pipelines.tune
+    # --dtype bfloat16 tunes in float32)
+    bases = {OursEarlyTuned.name: OursEarly.name, OursEarlyTunedHalf.name: OursEarlyHalf.name}
     fitted = {}
     for name, make in ((Tfidf.name, Tfidf), (MiniLM.name, MiniLM), (Ours.name, lambda: Ours(loaded)),
                        (OursEarly.name, lambda: OursEarly(loaded)), (OursEarlyHalf.name, lambda: OursEarlyHalf(half)),
-                       (OursEarlyTuned.name, lambda: OursEarlyTuned(loaded))):
+                       (OursEarlyTuned.name, lambda: OursEarlyTuned(loaded)),
+                       (OursEarlyTunedHalf.name, lambda: OursEarlyTunedHalf(half))):
         for regime, rows in (("full train", train), ("10 rows per intent", few)):
-            if name == OursEarlyTuned.name and regime == "full train" and not args.tune_full:
+            if name in bases and regime == "full train" and not args.tune_full:
                 continue  # ~20-35 min per epoch over 10,003 rows on 2 cores: --tune_full
             start = time.perf_counter()
             if name in shipped and regime == "full train":
                 model = shipped[name]  # the shipped head, fit by pipelines.fit on the same train split
+            elif name in bases:
+                reuse = {"tuned": fitted[(OursEarlyTuned.name, regime)]} if name == OursEarlyTunedHalf.name else {}
+                model = make().fit(rows, label_rows=regime != "full train", base=fitted[(bases[name], regime)].head,
+                                   **reuse)
             elif name in ours:  # the full split as pipelines.fit fits it;
                 # few rows: the task's label rows too (chosen by training folds: layer_survey)
                 model = make().fit(rows, label_rows=regime != "full train")
@@ -263,7 +291,7 @@ def run(argv=None) -> dict | None:
             acc = _accuracy(model, test)
             report["accuracy"].setdefault(name, {})[regime] = acc
             fitted[(name, regime)] = model
-            if getattr(model, "record", None) is not None:
+            if name == OursEarlyTuned.name:
                 report[f"{ours[name]}_record" + ("" if regime == "full train" else "_few")] = {
                     "tune_s": model.record.tune_s, "losses": list(model.record.losses), "epochs": model.record.epochs,
                     "tuned_layers": model.record.tuned_layers, "base_lexical_alpha": model.record.base_lexical_alpha}
@@ -279,8 +307,9 @@ def run(argv=None) -> dict | None:
     torch.set_num_threads(1)
     try:
         texts = [t for t, _ in test[:args.cost_rows]]
-        contenders = {name: fitted[(name, "full train")] for name in (Tfidf.name, MiniLM.name, Ours.name,
-                                                                      OursEarly.name, OursEarlyHalf.name)}
+        # the tuned contenders run as fitted on the whole split, else (no --tune_full) on 10 per intent
+        contenders = {name: fitted.get((name, "full train")) or fitted[(name, "10 rows per intent")]
+                      for name in report["accuracy"]}
         for model in contenders.values():
             model.predict(texts[:64])  # warm-up
         times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -296,7 +325,10 @@ def run(argv=None) -> dict | None:
     report["cost"] = {"ms_per_row_rounds": times, "ms_per_row_best": best,
                       "ours / MiniLM": round(best[Ours.name] / best[MiniLM.name], 2),
                       "ours early exit / MiniLM": round(best[OursEarly.name] / best[MiniLM.name], 2),
-                      "ours early exit bf16 / MiniLM": round(best[OursEarlyHalf.name] / best[MiniLM.name], 2)}
+                      "ours early exit bf16 / MiniLM": round(best[OursEarlyHalf.name] / best[MiniLM.name], 2),
+                      "ours early exit tuned / MiniLM": round(best[OursEarlyTuned.name] / best[MiniLM.name], 2),
+                      "ours early exit tuned bf16 / MiniLM": round(best[OursEarlyTunedHalf.name] / best[MiniLM.name],
+                                                                   2)}
     print(json.dumps(report["cost"], indent=1), flush=True)
     _write(report, args.out_dir)
     return report
@@ -311,7 +343,7 @@ def _write(report: dict, out_dir: str) -> None:
              "| method | full train | 10 rows per intent | ms/row |", "| --- | --- | --- | --- |"]
     for name, acc in report["accuracy"].items():
         full = f"{acc['full train']:.1%}" if "full train" in acc else "not run"
-        ms = cost.get(name, cost[OursEarly.name] if name == OursEarlyTuned.name else None)
+        ms = cost[name]
         lines.append(f"| {name} | {full} | {acc['10 rows per intent']:.1%} | {ms} |")
     h, few = report["ours_head"], report.get("ours_few_head", {})
     lines += ["", f"Ours: the shipped banking77_head (layers {h['layers']}, {h['pooling']} pooling, n-grams weighed "
@@ -338,9 +370,15 @@ def _write(report: dict, out_dir: str) -> None:
                       f"{t['tuned_layers']}, {t['epochs']} epochs, {t['tune_s']:.0f} s, loss {t['losses'][0]} -> "
                       f"{t['losses'][-1]}), then its head fit with the label rows and the n-gram weight the base "
                       f"model's folds chose ({t['base_lexical_alpha']:g}); the head's own 5-fold accuracy "
-                      f"{h.get('kfold_accuracy')} overrates it (the folds' rows were tuned on). Its cost per row is "
-                      f"the early-exit head's (the same layers run). Full split: "
+                      f"{h.get('kfold_accuracy')} overrates it (the folds' rows were tuned on). Full split: "
                       + _full_tuning(report)]
+    if report.get("ours_early_tuned_bf16_few_head"):
+        hb = report.get("ours_early_tuned_bf16_head")
+        weight = f"; the whole-split head's n-grams weighed {hb['lexical_alpha']:g}" if hb else ""
+        lines += ["", f"Ours, early exit, tuned, bfloat16: the same tuned models loaded with `dtype='bfloat16'`, each "
+                      f"head fit in bf16 with the n-gram weight of the bf16 base head of the same rows "
+                      f"(`pipelines.tune --dtype bfloat16`: the tuning itself runs in float32){weight}. Its cost / "
+                      f"MiniLM {report['cost']['ours early exit tuned bf16 / MiniLM']}x."]
     write_results(out_dir, "baselines", report, "\n".join(lines) + "\n")
 
 
