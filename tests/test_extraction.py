@@ -138,6 +138,9 @@ def test_expanded_engine_decoding_equals_full(tiny_models, arch):
     assert ex.cache_length() == ex.prefix_length
 
 
+_EMBEDDED_DECODED: list = []  # full re-encoding of the texts below (no pick, no cache): once
+
+
 @pytest.mark.parametrize("pick", ["host", "device"])
 def test_embedded_cached_decoding_equals_full(embedded, pick, monkeypatch):
     monkeypatch.setattr("beam_prefix.engines.extractor.decode_cached",
@@ -146,9 +149,12 @@ def test_embedded_cached_decoding_equals_full(embedded, pick, monkeypatch):
     texts = ["Refund invoice INV-22 please, I was charged by mistake", "how do I change my email?",
              "URGENT: the app has crashed on 2024-05-01 for our 12 seats", "ok"]
     cached = ex.extract(texts)
-    assert _tokens(cached) == _tokens(ex.extract_full(texts))
+    if not _EMBEDDED_DECODED:
+        _EMBEDDED_DECODED.extend(_tokens(ex.extract_full(texts)))
+    assert _tokens(cached) == _EMBEDDED_DECODED
     assert all(c.finished for c in cached)
-    ex.verify(texts[:2])  # the start-up self-check passes on the real model
+    if pick == "host":  # the CPU's pick (auto): the start-up self-check passes on the real model
+        ex.verify(texts[:2])
 
 
 def test_verify_fails_when_the_paths_disagree(llama_extractor, monkeypatch):

@@ -100,13 +100,19 @@ def test_tolerance_trades_tokens_for_precision(tiny_models, arch):
     assert_pruned_matches(tight, exhaustive, atol=1e-8)
 
 
+_EMBEDDED_EXHAUSTIVE: dict = {}  # calibration -> exhaustive search of TEXTS on the embedded model: once
+
+
 # batch 1 is the slowest on the real model (40 s); the tiny models cover it in the default run
 @pytest.mark.parametrize("batch_size", [pytest.param(1, marks=pytest.mark.slow), 3, 17])
 @pytest.mark.parametrize("calibration", [False, True])
 def test_embedded_pruned_equals_exhaustive(embedded, batch_size, calibration):
     clf = _classifier(embedded, task=tiny_task(HARD_LABELS, scoring="sequence", calibration=calibration),
                       batch_size=batch_size)
-    pruned, exhaustive = clf.classify(TEXTS), clf.classify_exhaustive(TEXTS)
+    pruned = clf.classify(TEXTS)
+    if calibration not in _EMBEDDED_EXHAUSTIVE:  # exhaustive search does not depend on the batch size
+        _EMBEDDED_EXHAUSTIVE[calibration] = clf.classify_exhaustive(TEXTS)
+    exhaustive = _EMBEDDED_EXHAUSTIVE[calibration]
     assert_pruned_matches(pruned, exhaustive)
     assert score_spread(exhaustive) > 0.2
     # (this model spreads its mass beyond these labels, so the search may expand everything;
