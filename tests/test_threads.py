@@ -107,7 +107,17 @@ def test_thread_choice_follows_the_faster_count_and_notices_a_load_change():
     assert choice.chosen() == 1 and picked[3:].count(4) <= 2  # a probe or two of all cores
     picked = _drive(choice, lambda n, i: quiet[n], 40)  # only a probe can show this one
     assert choice.chosen() == 4 and picked[-8:].count(4) >= 7
-    assert ThreadChoice(1).pick() == 1 and ThreadChoice(1).candidates == (1,)
+    assert ThreadChoice(1).candidates == (1,)
+
+
+def test_thread_choice_on_one_core_keeps_one_thread_past_the_probes():
+    """A worker with one core (or torch at one thread before any step set one) has one
+    count, so nothing to probe: this divided by zero at the first probe (the 19th batch of
+    each worker process at the defaults), failing that batch's rows."""
+    from beam_prefix.beam.thread_choice import ThreadChoice
+
+    choice = ThreadChoice(1, probe_every=2, max_probe_every=4)
+    assert _drive(choice, lambda n, i: 1.0, 40) == [1] * 40 and choice.chosen() == 1
 
 
 def test_thread_choice_is_safe_from_many_threads():

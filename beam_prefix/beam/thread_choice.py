@@ -49,6 +49,8 @@ class ThreadChoice:
 
     def pick(self) -> int:
         """The thread count for the next batch."""
+        if len(self.candidates) == 1:  # one core (or torch set to one thread): nothing to choose or probe
+            return self.candidates[0]
         with self._lock:
             self._batches += 1
             unmeasured = self._unmeasured()
