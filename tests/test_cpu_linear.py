@@ -154,7 +154,10 @@ def _raise(*_):
 def test_threads_share_the_groups_and_copies_compute_alone(tiny_models):
     import threading
 
-    grouped, _ = _grouped_copy(tiny_models["llama"])
+    # a model of its own: the session's tiny Llama may have returned hidden states already,
+    # for which transformers hooked it with closures that do not pickle (whichever test ran first)
+    tok = tiny_models["llama"].tokenizer
+    grouped, _ = _grouped_copy(LoadedModel(_tiny("llama", len(tok)), tok, "tiny-llama"))
     base = grouped.model.base_model
     inputs = [torch.randint(1, 50, (1, 7 + i)) for i in range(8)]
     with torch.inference_mode():

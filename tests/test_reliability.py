@@ -349,13 +349,20 @@ def test_a_worker_killed_mid_run_leaves_no_files(tiny_dir, tmp_path, pipeline, f
     killed = None
     try:
         deadline = time.time() + 120
+        def workers():
+            return [p for p in _process_tree(proc.pid) if "sdk_worker_main" in _cmdline(p)
+                    and not _cmdline(p).startswith("/bin/sh")]
+
         while killed is None and time.time() < deadline and proc.poll() is None:
-            workers = [p for p in _process_tree(proc.pid) if "sdk_worker_main" in _cmdline(p)
-                       and not _cmdline(p).startswith("/bin/sh")]
-            if workers and os.path.isdir(out) and os.listdir(out):  # staging exists: the run is under way
+            if workers() and os.path.isdir(out) and os.listdir(out):  # staging exists: the run is under way
                 time.sleep(3)
-                os.kill(workers[0], signal.SIGKILL)
-                killed = workers[0]
+                for pid in workers():  # listed again: one listed before may have ended meanwhile
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    killed = pid
+                    break
             time.sleep(0.2)
         _, err = proc.communicate(timeout=240)
     finally:
