@@ -324,6 +324,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+# alone: beside another test file's Beam worker processes (make test's parallel part), a run
+# whose worker was killed did not exit within 240 s in 2 of 3 parallel runs (alone, or in the
+# serial suite, it exits in 15-30 s). Not yet understood: see the README's Tests section
+@pytest.mark.alone
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
 @pytest.mark.parametrize("pipeline,flags", [
     ("classify", ["--runner=DirectRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=2"]),
