@@ -100,7 +100,7 @@ def run(argv: list[str] | None = None) -> dict:
     """Tune, fit, write the directory; returns the summary."""
     import torch
 
-    from beam_prefix import PrefixClassifier, fit_head
+    from beam_prefix import PrefixClassifier, TaskSpec, fit_head
     from beam_prefix.engines.head_fitting import check_labels
     from beam_prefix.engines.model_tuning import check_settings, tune_model
     from beam_prefix.model.loading import load_model, set_torch_threads
@@ -135,7 +135,12 @@ def run(argv: list[str] | None = None) -> dict:
     summary: dict = {"output": args.output, "task": task.name, "base_model": args.model, "rows": len(texts),
                      "layers": list(layers), "pooling": pooling, "label_rows": label_rows, "dtype": args.dtype}
     start = time.perf_counter()
-    base = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(args.model, dtype=args.dtype))
+    # in half precision the self-check of LM label scores (what a task without a head answers
+    # with) may refuse a model whose hidden states, what the heads read, are fine: the heads
+    # are checked as they will answer instead (below)
+    half = args.dtype != "float32"
+    base = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(args.model, dtype=args.dtype),
+                            verify=not half)
     before = fit_head(base, texts, labels, layers=layers, pooling=pooling, folds=args.folds, label_rows=label_rows)
     alpha = before.lexical.alpha if before.lexical is not None else 0.0
     summary["base_head"] = _facts(before)
@@ -150,14 +155,19 @@ def run(argv: list[str] | None = None) -> dict:
                             epochs=args.epochs, learning_rate=args.learning_rate, temperature=args.temperature,
                             seed=args.seed, base_lexical_alpha=alpha, labels_per_batch=args.labels_per_batch,
                             log=_LOGGER.info)
-        # its start-up self-check: cached == full re-encoding, within the dtype's tolerance
-        tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(staging, dtype=args.dtype))
+        # the tuned model's self-check in float32: cached == full re-encoding
+        tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(staging))
+        if half:
+            loaded = load_model(staging, dtype=args.dtype)
+            tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=loaded, verify=False)
         head = fit_head(tuned, texts, labels, layers=layers, pooling=pooling, folds=args.folds, label_rows=label_rows,
                         lexical_alpha=alpha)
         head_name, task_name = f"{task.name}.head", f"{task.name}.yaml"
         head.save(os.path.join(staging, head_name))
         with open(os.path.join(staging, task_name), "w", encoding="utf-8") as f:
             f.write(_task_yaml(task_file, task_data, task.name, head_name, record.id, args.dtype))
+        if half:  # the written head's self-check as classify runs it: cached == full within the dtype's tolerance
+            PrefixClassifier(task=TaskSpec.from_yaml(os.path.join(staging, task_name)), loaded=loaded, verify=True)
         if os.path.isdir(args.output):
             os.rmdir(args.output)  # empty (checked at launch)
         os.rename(staging, args.output)

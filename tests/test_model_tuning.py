@@ -226,6 +226,29 @@ def test_pipelines_tune_dtype_fits_the_heads_in_that_precision_and_the_head_answ
         PrefixClassifier.check_fits(task, str(out))  # float32 features: not the head's
 
 
+def test_pipelines_tune_in_half_precision_writes_nothing_when_the_written_heads_self_check_fails(
+        tiny_dir, tmp_path, capsys, monkeypatch):
+    """The written head is checked as classify will run it (its dtype, cached == full): a
+    head failing that check is not written, nor is the tuned model."""
+    from beam_prefix.engines.classifier import PrefixClassifier as Engine
+    from beam_prefix.errors import VerificationError
+    from pipelines import tune
+
+    real = Engine.verify
+
+    def head_disagrees(self, *args, **kwargs):
+        if self.mode == "head":
+            raise VerificationError("cached head probabilities differ (injected)", [])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "verify", head_disagrees)
+    assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label",
+                      f"--output={tmp_path}/tuned", f"--model={tiny_dir}", "--layers=1", "--pooling=mean",
+                      "--epochs=1", "--folds=2", "--dtype=bfloat16"]) == 1
+    assert "injected" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # no tuned directory, no staging left
+
+
 def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys):
     from pipelines import tune
 
