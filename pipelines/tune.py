@@ -13,7 +13,7 @@ local input files (CSV, JSON Lines, Parquet: `pipelines.local_rows`), then
 2. tunes the decoder layers up to the deepest one the head reads (`tune_model`);
 3. fits the head on the tuned model with that n-gram weight.
 
-Tuning runs in float32; `--dtype bfloat16` (or float16 on a GPU) fits both heads on the
+Tuning runs in float32 on the CPU; `--dtype bfloat16` fits both heads on the
 model loaded in that precision, so the written head answers with the tuned model loaded as
 ``--dtype bfloat16`` (a head answers only in the precision it was fit in).
 
@@ -64,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="embedded", help="The model to tune: 'embedded', a local directory, a hub id.")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="Precision the heads are fit in, so the one the tuned model answers in (classify with the "
-                        "same --dtype); the tuning itself runs in float32. float16 needs a GPU.")
+                        "same --dtype); the tuning itself runs in float32. float16 is refused: this runs on the CPU.")
     p.add_argument("--layers", default=None,
                    help="Hidden-state indices the head reads, comma-separated (default: the task's head's, else -1).")
     p.add_argument("--pooling", default=None, choices=("last", "mean"),
@@ -98,12 +98,10 @@ def _rows(args) -> tuple[list[str], list[str]]:
 
 def run(argv: list[str] | None = None) -> dict:
     """Tune, fit, write the directory; returns the summary."""
-    import torch
-
     from beam_prefix import PrefixClassifier, TaskSpec, fit_head
     from beam_prefix.engines.head_fitting import check_labels
     from beam_prefix.engines.model_tuning import check_settings, tune_model
-    from beam_prefix.model.loading import load_model, set_torch_threads
+    from beam_prefix.model.loading import check_device, load_model, set_torch_threads
 
     args = parser().parse_args(join_negative_lists(list(sys.argv[1:] if argv is None else argv), ("--layers",)))
     if "://" in args.output:
@@ -114,8 +112,7 @@ def run(argv: list[str] | None = None) -> dict:
                    labels_per_batch=args.labels_per_batch)
     if args.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {args.folds}")
-    if args.dtype == "float16" and not torch.cuda.is_available():
-        raise ValueError("--dtype=float16 is for GPUs and this machine has no CUDA device; use float32 or bfloat16")
+    check_device("cpu", args.dtype)  # load_model's default device, where this tunes and fits
     task_file = task_path(args.task or "support_tickets")
     # read once: the task, its head's layers and the task file written beside the tuned model
     # (minutes later) all come from the same document
