@@ -33,13 +33,10 @@ $(BQ_STAMP):
 install: $(STAMP)
 
 # the test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay together,
-# in order), each with its share of the cores' torch threads (tests/conftest.py); then the
-# tests marked alone, in one process
+# in order), each with its share of the cores' torch threads (tests/conftest.py)
 TEST_WORKERS ?= 2
 test: $(STAMP) $(BQ_STAMP)
-	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
-		-m "not slow and not alone" tests
-	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(PY) -m pytest -q -m "alone and not slow" tests
+	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # real-model runs too long for the default suite (marked slow)
 test-slow: $(STAMP) $(BQ_STAMP)
