@@ -15,7 +15,6 @@ the end (and written beside the output as JSON) counts them.
 from __future__ import annotations
 
 import logging
-import sys
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -95,4 +94,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.exit_process(main())

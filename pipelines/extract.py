@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import sys
 
 import apache_beam as beam
 import pyarrow as pa
@@ -160,4 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.exit_process(main())

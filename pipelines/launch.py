@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -30,8 +31,10 @@ from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destination
 from pipelines.sources import read_rows
 from pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
                                write_json)
+from pipelines.worker_watch import WorkerWatch
 
-__all__ = ["Plan", "build", "run_reads", "read_run_write", "run", "main", "in_process_main", "explain", "RunFailed"]
+__all__ = ["Plan", "build", "run_reads", "read_run_write", "run", "main", "in_process_main", "explain", "RunFailed",
+           "exit_process"]
 
 _LOGGER = logging.getLogger("pipelines")
 
@@ -196,8 +199,9 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
                  "self-checks it against full re-encoding)", type(p.runner).__name__)
     try:
         start = time.perf_counter()
-        result = p.run()
-        state = result.wait_until_finish()
+        with WorkerWatch():  # a worker dead before it connected would leave the run waiting forever
+            result = p.run()
+            state = result.wait_until_finish()
         wall_s = time.perf_counter() - start
         if state is not None and str(state).upper().endswith(("FAILED", "CANCELLED", "DRAINED")):
             raise RunFailed(f"the runner ended the job in state {state}")
@@ -238,6 +242,7 @@ class RunFailed(RuntimeError):
 _KNOWN_CAUSES = (
     ("PublishError", "publishing the outputs failed"),
     ("Channel closed prematurely", "a worker process died (killed, or out of memory)"),
+    ("WorkerLost", "a worker process died (killed, out of memory, or its command could not start)"),
     ("MemoryError", "a worker ran out of memory"),
     ("ContextLengthError", "the task's prompt does not fit the model's context"),
     ("VerificationError", "the start-up self-check found cached scoring different from full re-encoding"),
@@ -298,6 +303,23 @@ def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOp
         print(explain(e, plan[0].outputs if plan else None), file=sys.stderr, flush=True)
         return 1
     return 0 if summary["accounted_for"] else 1
+
+
+def exit_process(status: int, *, wait_s: float = 5.0) -> None:
+    """End a pipeline's process with `status` (its ``__main__``). A runner thread still
+    waiting for a lost worker (`pipelines.worker_watch`) would keep the interpreter from
+    exiting: the other threads get `wait_s` seconds to end, then the process ends without
+    them (its outputs were published or discarded before `main` returned)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    deadline = time.monotonic() + wait_s
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        logging.shutdown()
+        os._exit(status)
+    sys.exit(status)
 
 
 def in_process_main(argv: list[str] | None, run_fn, report, *, logger: logging.Logger) -> int:

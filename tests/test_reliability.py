@@ -401,3 +401,25 @@ def test_a_worker_killed_mid_run_leaves_no_files(tiny_dir, tmp_path, pipeline, f
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: a worker process died") and "nothing was written" in last, last
     assert _files(out) == []  # no final file, no staging directory (Beam's temp files were in it)
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGUSR2"), reason="the worker watch is POSIX")
+def test_a_worker_command_that_cannot_start_fails_the_run_instead_of_hanging(tiny_dir, tmp_path):
+    """A wrong --environment_config: the worker exits 127 before it connects, which Beam's
+    runner would wait for forever; the run ends with exit 1, the cause in one line, and no
+    files (pipelines.worker_watch)."""
+    import subprocess
+
+    pq.write_table(pa.Table.from_pylist(_rows(8)), tmp_path / "in.parquet")
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, "-m", "pipelines.extract", "--runner=PortableRunner", "--job_endpoint=embed",
+                           "--environment_type=beam:env:harness_subprocess_python:v1",
+                           f"--environment_config={tmp_path}/no-such-python -m apache_beam.runners.worker.sdk_worker_main",
+                           f"--input={tmp_path}/in.parquet", f"--model={tiny_dir}", f"--output={out}/rows",
+                           "--verify=false", "--max_new_tokens=4"],
+                          capture_output=True, text=True, timeout=180, cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: a worker process died") and "return code 127" in last, last
+    assert "nothing was written" in last
+    assert _files(out) == []
