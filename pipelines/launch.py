@@ -306,10 +306,12 @@ def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOp
 
 
 def exit_process(status: int, *, wait_s: float = 5.0) -> None:
-    """End a pipeline's process with `status` (its ``__main__``). A runner thread still
-    waiting for a lost worker (`pipelines.worker_watch`) would keep the interpreter from
-    exiting: the other threads get `wait_s` seconds to end, then the process ends without
-    them (its outputs were published or discarded before `main` returned)."""
+    """End a pipeline's process with `status` (its ``__main__``). After a failed run, a
+    runner thread still waiting for a lost worker (`pipelines.worker_watch`) would keep the
+    interpreter from exiting: the other threads get `wait_s` seconds to end, then the
+    process ends without them (its outputs were discarded before `main` returned)."""
+    if status == 0:
+        sys.exit(status)
     sys.stdout.flush()
     sys.stderr.flush()
     deadline = time.monotonic() + wait_s
