@@ -9,7 +9,9 @@ that cannot start: a wrong ``--environment_config`` exits 127) leaves the runner
 for it without a timeout, so the run never ends. `WorkerWatch` sees the runner thread's
 error (through `threading.excepthook`) and, when the run has not ended `grace_s` later,
 interrupts it: the run raises `WorkerLost`, publishes nothing (its outputs are staged) and
-the pipeline exits 1 with one line saying so.
+the pipeline exits 1 with one line saying so. During the run the main thread's SIGUSR2
+handler is the watch's (the previous one is restored after); off the main thread, or
+where there is no SIGUSR2, the watch does nothing.
 """
 
 from __future__ import annotations
