@@ -8,8 +8,8 @@ regime tune and fit; 1,000 other rows of the train split (seed 1), which tune an
 nothing, measure. The test split is not read.
 
 Tuning: `beam_prefix.engines.model_tuning.tune_model` (what `pipelines.tune` runs): the
-decoder layers up to the deepest one the banking77_fast_head head reads (layers 1-12 of
-30), AdamW, a supervised contrastive loss on exactly the features the head reads, through
+decoder layers up to the deepest one the head reads (`--layers`; banking77_fast_head's 6,12:
+layers 1-12 of 30), AdamW, a supervised contrastive loss on exactly the features the head reads, through
 the engine's own forward. The tuned model is saved as a model directory and loaded as any
 other; its heads are fit with `fit_head` (label rows, n-grams weighed by folds) as the
 untuned one's.
