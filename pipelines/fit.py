@@ -37,7 +37,7 @@ from beam_prefix.engines.head_fitting import check_labels, fit_head_from_feature
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from pipelines import bigquery_endpoint
 from pipelines.fit_io import FeatureStaging, write_head
-from pipelines.launch import exit_process, in_process_main
+from pipelines.launch import exit_process, in_process_main, run_to_end
 from pipelines.local_rows import local_columns, local_paths
 from pipelines.summary import write_json
 from pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_unknown_flags, task_path,
@@ -45,7 +45,6 @@ from pipelines.options import (StepOptions, join_negative_lists, parse_layers, r
 from pipelines.publish import Output
 from pipelines.reads import input_reads, refuse_overlap, task_reads
 from pipelines.sources import input_format, read_rows, require_columns, input_schema
-from pipelines.worker_watch import WorkerWatch
 
 __all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
 
@@ -172,8 +171,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
                   | "Count" >> beam.combiners.Count.Globally())
         _ = failed | "WriteFailedCount" >> beam.io.WriteToText(staging.failed)
         start = time.perf_counter()
-        with WorkerWatch():  # a worker dead before it connected would leave the run waiting forever
-            p.run().wait_until_finish()
+        run_to_end(p)  # a job the runner ended unfinished leaves partial features: no head from them
         features_s = time.perf_counter() - start
         table, n_failed = staging.read()
         labels = table.column("label").to_pylist()

@@ -34,7 +34,7 @@ from pipelines.summary import (CountFailures, count_rows, format_summary, summar
 from pipelines.worker_watch import WorkerWatch
 
 __all__ = ["Plan", "build", "run_reads", "read_run_write", "run", "main", "in_process_main", "explain", "RunFailed",
-           "exit_process"]
+           "run_to_end", "exit_process"]
 
 _LOGGER = logging.getLogger("pipelines")
 
@@ -199,12 +199,8 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
                  "self-checks it against full re-encoding)", type(p.runner).__name__)
     try:
         start = time.perf_counter()
-        with WorkerWatch():  # a worker dead before it connected would leave the run waiting forever
-            result = p.run()
-            state = result.wait_until_finish()
+        result = run_to_end(p)
         wall_s = time.perf_counter() - start
-        if state is not None and str(state).upper().endswith(("FAILED", "CANCELLED", "DRAINED")):
-            raise RunFailed(f"the runner ended the job in state {state}")
         summary = summarize(result, wall_s=wall_s, labels=plan.labels, outputs=plan.outputs, model=plan.model,
                             task=plan.task, eval_label_column=plan.eval_label_column, kind=plan.kind,
                             head=plan.head)
@@ -236,6 +232,18 @@ def _print_help(prog: str, doc: str, options) -> None:
 
 class RunFailed(RuntimeError):
     """The runner reported the job as not done."""
+
+
+def run_to_end(p: beam.Pipeline):
+    """Run `p` and wait for it under a `WorkerWatch` (a worker dead before it connected would
+    leave the run waiting forever); its result, or RunFailed when the runner ended the job
+    failed, cancelled or drained (its outputs are then partial)."""
+    with WorkerWatch():
+        result = p.run()
+        state = result.wait_until_finish()
+    if state is not None and str(state).upper().endswith(("FAILED", "CANCELLED", "DRAINED")):
+        raise RunFailed(f"the runner ended the job in state {state}")
+    return result
 
 
 # runner errors that have a known cause, and the one line that says it

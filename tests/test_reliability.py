@@ -429,3 +429,35 @@ def test_a_worker_command_that_cannot_start_fails_the_run_instead_of_hanging(tin
     assert last.startswith("error: a worker process died") and "return code 127" in last, last
     assert pipeline == "fit" or "nothing was written" in last  # fit's one output is its head file
     assert _files(out) == []
+
+
+@pytest.mark.parametrize("pipeline", ["classify", "fit"])
+@pytest.mark.parametrize("state", ["FAILED", "CANCELLED"])
+def test_a_job_the_runner_ends_unfinished_writes_nothing(tiny_dir, tmp_path, pipeline, state):
+    """A runner that returns a failed or cancelled job instead of raising (wait_until_finish may)
+    leaves partial outputs: the run raises naming the state, publishes nothing, and fit fits no
+    head from partial features (`launch.run_to_end`)."""
+    import apache_beam as beam
+
+    from pipelines import fit
+
+    class Ended:
+        def wait_until_finish(self):
+            return state
+
+    class EndsUnfinished(beam.Pipeline):
+        def run(self, test_runner_api="AUTO"):
+            return Ended()
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = tmp_path / "o"
+    argv = [f"--model={tiny_dir}", "--verify=false", f"--input={root}/pipelines/data/sample_tickets.csv"]
+    if pipeline == "fit":
+        argv += ["--task=support_tickets", "--label_column=label", f"--output={out}/support.head"]
+        with pytest.raises(Exception, match=f"in state {state}"):
+            fit.run(argv, test_pipeline=EndsUnfinished())
+    else:
+        argv += ["--task=support_tickets", f"--output={out}/rows"]
+        with pytest.raises(Exception, match=f"in state {state}"):
+            classify.run(argv, test_pipeline=EndsUnfinished())
+    assert _files(out) == []
