@@ -51,16 +51,16 @@ class WorkerWatch:
     def __init__(self, *, grace_s: float = 15.0):
         self.grace_s = grace_s
         self._lock = threading.Lock()
-        self._done = False
+        self._ended = threading.Event()  # the run ended (set under the lock: no signal after it)
+        self._died = threading.Event()  # a worker exited non-zero, or the run ended
         self._fired: str | None = None  # what died, once the run was interrupted for it
-        self._died = threading.Event()
         self._code: str | None = None
         self._previous = None
+        self._previous_handler = None
 
     def __enter__(self) -> "WorkerWatch":
         self._previous = threading.excepthook
         threading.excepthook = self._hook
-        self._previous_handler = None
         # signal handlers are the main thread's (POSIX): elsewhere the watch stays passive
         if _SIGNAL is not None and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(_SIGNAL, _raise_stop)
@@ -76,22 +76,17 @@ class WorkerWatch:
 
     def _watch(self) -> None:
         self._died.wait()  # also set when the run ends, so this thread never outlives it
-        if self._done:
+        if self._ended.wait(self.grace_s):
             return
-        deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline:
-            time.sleep(min(0.2, self.grace_s))
-            if self._done:
-                return
         with self._lock:
-            if not self._done:
+            if not self._ended.is_set():
                 self._fired = f"a worker process exited with return code {self._code}"
                 signal.pthread_kill(threading.main_thread().ident, _SIGNAL)
 
     def __exit__(self, exc_type, exc, tb):
         try:
             with self._lock:
-                self._done = True
+                self._ended.set()
             self._died.set()
             threading.excepthook = self._previous
             if self._fired and exc_type is not _Stop:
