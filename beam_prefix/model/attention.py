@@ -189,6 +189,8 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     flash = mask.shape[-1] == n_past + q and query.device.type == "cpu" and _flash_works()
     per_row = heads * q * (n_past + q if flash else kept + n_past + q)
     step = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
+    if step >= batch:  # one chunk: the whole batch, with no host sync for its token range
+        return _attend_packed(query, key, value, mask, prefix_keys, prefix_values, scaling, packing, past)
     parts = []
     for i in range(0, batch, step):
         first, last, part = packing.slice(i, min(i + step, batch))
