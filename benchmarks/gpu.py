@@ -7,7 +7,9 @@ tests do on a tiny model; its figures say nothing about a GPU). Per workload (th
 support head, LM label scoring of the support task, extraction of the ticket fields; the
 held-out tickets repeated to `--rows`):
 
-- rows/s per batch size, best of `--rounds` (device synchronised around each call);
+- rows/s per batch size, best of `--rounds` (device synchronised around each call), for
+  classification once per `--suffix_passes` (packed, fixed-shape buckets, CUDA graphs of
+  those buckets: `beam_prefix.model.suffix_graphs`; graphs are recorded in the warm-up call);
 - one profiled call at the middle batch size: wall time, device busy time (the kernels'
   own device time; its share of the wall), kernel launches and host synchronisations
   (``aten::item``/``_local_scalar_dense``/``nonzero`` and CUDA stream/device syncs), per batch;
@@ -92,6 +94,10 @@ def run(argv=None) -> dict | None:
     parser.add_argument("--extract_rows", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", default="head,lm,extract")
+    parser.add_argument("--suffix_passes", default=None,
+                        help="how classification runs its batches, each measured as its own workload: packed, "
+                             "buckets, graphs (default: packed,buckets,graphs on CUDA, packed,buckets elsewhere; "
+                             "extraction always runs packed)")
     parser.add_argument("--out_dir", default=RESULTS)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -106,19 +112,25 @@ def run(argv=None) -> dict | None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": _device_name(args.device),
               "torch": torch.__version__, "model": args.model, "workloads": {}}
+    passes = (args.suffix_passes or ("packed,buckets,graphs" if args.device.startswith("cuda")
+                                     else "packed,buckets")).split(",")
+    report["suffix_passes"] = passes
     engines = {
-        "head": lambda b: PrefixClassifier.load(os.path.join(TASKS, "support_tickets_head.yaml"), args.model,
+        "head": lambda b, sp: PrefixClassifier.load(os.path.join(TASKS, "support_tickets_head.yaml"), args.model,
+                                                    device=args.device, batch_size=b, verify=False, suffix_pass=sp),
+        "lm": lambda b, sp: PrefixClassifier.load(os.path.join(TASKS, "support_tickets.yaml"), args.model,
+                                                  device=args.device, batch_size=b, verify=False, suffix_pass=sp),
+        "extract": lambda b, sp: Extractor.load(os.path.join(TASKS, "ticket_fields.yaml"), args.model,
                                                 device=args.device, batch_size=b, verify=False),
-        "lm": lambda b: PrefixClassifier.load(os.path.join(TASKS, "support_tickets.yaml"), args.model,
-                                              device=args.device, batch_size=b, verify=False),
-        "extract": lambda b: Extractor.load(os.path.join(TASKS, "ticket_fields.yaml"), args.model,
-                                            device=args.device, batch_size=b, verify=False),
     }
-    for name in args.workloads.split(","):
+    runs = [(name, sp) for name in args.workloads.split(",") for sp in (["packed"] if name == "extract" else passes)]
+    for name, suffix_pass in runs:
         extract = name == "extract"
         batch_sizes = [int(b) for b in args.extract_batch_sizes.split(",")] if extract else sizes
         rows = (tickets * (1 + args.rows // len(tickets)))[:args.extract_rows if extract else args.rows]
-        engine = engines[name](batch_sizes[0])
+        engine = engines[name](batch_sizes[0], suffix_pass)
+        if suffix_pass != "packed":
+            name = f"{name}, {suffix_pass}"
         call = (lambda: engine.extract(rows)) if extract else (lambda: engine.classify(rows))
         result = {"rows": len(rows), "rows_per_s": {}}
         for b in batch_sizes:

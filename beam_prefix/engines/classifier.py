@@ -55,6 +55,8 @@ class PrefixClassifier(PrefixEngine):
             ``"expanded"``: a per-instance `DynamicCache` seated on the batch-expanded
             prefix and cropped back after every batch (any attention implementation).
             ``"auto"`` (default): shared where the model supports it, else expanded.
+        suffix_pass: ``"packed"`` (default), ``"buckets"`` or ``"graphs"`` (CUDA graphs of
+            the one-pass batches, on a CUDA model): see `PrefixEngine`.
         label_search: sequence scoring's search over the label trie, ``"pruned"``,
             ``"exhaustive"`` or ``"auto"`` (pruned under shared-prefix attention; default:
             the task's `label_search`, itself ``auto`` by default). Pruned search is exact to
@@ -72,7 +74,8 @@ class PrefixClassifier(PrefixEngine):
     def __init__(self, *, task: TaskSpec, loaded, batch_size: int = 16, max_batch_tokens: int = 8192,
                  verify: bool = True, atol: float | None = None, prefix_attention: str = "auto",
                  label_search: str | None = None, label_tolerance: float | None = None,
-                 check_layers: Sequence[int] | None = None, check_pooling: str = "last"):
+                 check_layers: Sequence[int] | None = None, check_pooling: str = "last",
+                 suffix_pass: str = "packed"):
         if label_search is not None or label_tolerance is not None:  # validated like the task file
             task = task.replace(**{k: v for k, v in (("label_search", label_search),
                                                        ("label_tolerance", label_tolerance)) if v is not None})
@@ -80,7 +83,7 @@ class PrefixClassifier(PrefixEngine):
         self._check_layers = None if check_layers is None else tuple(check_layers)
         self._check_pooling = _check_pooling(check_pooling)
         super().__init__(task=task, loaded=loaded, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-                         verify=verify, prefix_attention=prefix_attention)
+                         verify=verify, prefix_attention=prefix_attention, suffix_pass=suffix_pass)
 
     @classmethod
     def _answer(cls, task: TaskSpec, layout) -> Answer:

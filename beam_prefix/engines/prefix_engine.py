@@ -54,12 +54,15 @@ class PrefixEngine:
             ``"expanded"`` (a per-instance working cache seated on the batch-expanded
             prefix, cropped back after every batch; any attention implementation) or
             ``"auto"`` (default: shared where the model supports it).
+        suffix_pass: ``"packed"`` (default: each batch's real tokens only), ``"buckets"``
+            (one-pass batches padded to a few fixed shapes) or ``"graphs"`` (those shapes
+            replayed as CUDA graphs; a CUDA model only): `beam_prefix.model.suffix_graphs`.
     """
 
     task_type: ClassVar[type]
 
     def __init__(self, *, task, loaded: LoadedModel, batch_size: int, max_batch_tokens: int = 8192,
-                 verify: bool = True, prefix_attention: str = "auto"):
+                 verify: bool = True, prefix_attention: str = "auto", suffix_pass: str = "packed"):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.task = task
@@ -73,7 +76,7 @@ class PrefixEngine:
         start = time.perf_counter()
         layout = PromptLayout.build(task, self.tokenizer)
         self._prompt = CachedPrompt.build(layout, self._answer(task, layout), loaded,
-                                          prefix_attention=prefix_attention)
+                                          prefix_attention=prefix_attention, suffix_pass=suffix_pass)
         self._working = self._prompt.working_cache()
         self.head = OutputHead(self.model)
         self._prepare()

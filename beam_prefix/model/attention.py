@@ -131,6 +131,14 @@ class Packing:
         offsets = torch.cat([real.new_zeros(1, dtype=torch.long), real.sum(1).cumsum(0)])
         return cls(index=index, offsets=offsets, width=width)
 
+    @classmethod
+    def dense_of(cls, rows: int, width: int, device: torch.device | str) -> "Packing":
+        """Every column of a ``[rows, width]`` layout packed, pad columns too (`dense`:
+        packing is a reshape). Made from shapes alone, with no host synchronisation, so a
+        pass over a fixed shape can be captured as a CUDA graph (`suffix_graphs`)."""
+        return cls(index=torch.arange(rows * width, device=device),
+                   offsets=torch.arange(rows + 1, device=device) * width, width=width)
+
     @property
     def rows(self) -> int:
         return int(self.offsets.shape[0]) - 1
@@ -154,7 +162,11 @@ class Packing:
         return flat.view(self.rows, self.width, *packed.shape[2:])
 
     def slice(self, start: int, stop: int) -> tuple[int, int, "Packing"]:
-        """Rows ``[start, stop)``: their packed token range and their own `Packing`."""
+        """Rows ``[start, stop)``: their packed token range and their own `Packing` (a dense
+        packing's range follows from its shape: no host synchronisation)."""
+        if self.dense:
+            first, last = start * self.width, stop * self.width
+            return first, last, Packing.dense_of(stop - start, self.width, self.index.device)
         first, last = int(self.offsets[start]), int(self.offsets[stop])
         part = Packing(index=self.index[first:last] - start * self.width,
                        offsets=self.offsets[start:stop + 1] - first, width=self.width)

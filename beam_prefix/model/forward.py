@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from beam_prefix.model.attention import SHARED_SDPA, Packing, prefix_kwargs
 from beam_prefix.model.early_exit import exit_depth, shallow
 from beam_prefix.model.prefix_cache import PrefixCache, WorkingCache
+from beam_prefix.model.suffix_graphs import bucket
 
 __all__ = ["Step", "CallState", "forward", "seated"]
 
@@ -170,12 +171,14 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
     if depth is not None:
         base = shallow(base, depth)  # its hidden states are indexed 0..depth
         layers = [i % (model.config.get_text_config().num_hidden_layers + 1) for i in layers]
+    if cache is None and call is None and prefix.graphs is not None:
+        states = _bucketed(model, base, prefix, step, every)
+        return states[0] if layers is None else tuple(states[i] if every else states[0] for i in layers)
     if cache is None:
         masks = _masks(model, prefix, step, call, shared=True)
         packing = Packing.of_real(step.real)
-        out = base(input_ids=packing.pack(step.ids), attention_mask=masks,
-                               position_ids=packing.pack(step.positions), use_cache=False,
-                               output_hidden_states=every, **prefix_kwargs(prefix.layers, packing, call))
+        out = _shared_pass(base, prefix, packing.pack(step.ids), packing.pack(step.positions), masks, packing,
+                           call, every)
         unpack = packing.unpack
     else:
         if step.causal and call is None:
@@ -197,6 +200,54 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
 
 def _as_is(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
+
+
+def _shared_pass(base, prefix: PrefixCache, ids: torch.Tensor, positions: torch.Tensor, masks, packing: Packing,
+                 call: CallState | None, every: bool):
+    """The base model over a packed batch ``[1, T]`` under shared-prefix attention."""
+    return base(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=False,
+                output_hidden_states=every, **prefix_kwargs(prefix.layers, packing, call))
+
+
+def _bucketed(model, base, prefix: PrefixCache, step: Step, every: bool) -> tuple[torch.Tensor, ...]:
+    """A one-pass step padded to its bucket's fixed shape and run dense, replayed as a CUDA
+    graph where the prefix records them (`suffix_graphs`). Returns the hidden states the
+    packed path returns (all of them with `every`, else the last), ``[B, Q, H]`` each,
+    zeros at pad columns."""
+    batch, width = step.ids.shape
+    rows, cols = bucket(batch), bucket(width)
+    padded = _pad_step(step, rows, cols, prefix.length)
+    masks = _masks(model, prefix, padded, None, shared=True)
+    kinds = sorted(masks) if isinstance(masks, dict) else None
+    inputs = {"ids": padded.ids.reshape(1, -1), "positions": padded.positions.reshape(1, -1)}
+    inputs.update({f"mask {k}": masks[k] for k in kinds} if kinds else {"mask": masks})
+    packing = Packing.dense_of(rows, cols, step.ids.device)
+
+    def run_pass(ids, positions, **mask_inputs):
+        given = {k: mask_inputs[f"mask {k}"] for k in kinds} if kinds else mask_inputs["mask"]
+        out = _shared_pass(base, prefix, ids, positions, given, packing, None, every)
+        return tuple(out.hidden_states) if every else (out.last_hidden_state,)
+
+    # a sliding window's prefix part asks the host which prefix columns some query cannot see
+    capturable = all(state.sliding_window is None for state in prefix.layers)
+    outputs = prefix.graphs.run((base, every, rows, cols, tuple(kinds or ())), inputs, run_pass, capturable)
+    real = step.real[..., None]
+    return tuple(torch.where(real, out.view(rows, cols, -1)[:batch, :width], 0) for out in outputs)
+
+
+def _pad_step(step: Step, rows: int, cols: int, start: int) -> Step:
+    """`step` (nothing earlier in its call) padded to ``[rows, cols]``: the new columns and
+    rows are pad (not real, seeing nothing of the step; the masks let each see itself), at
+    position `start`, which every model has."""
+    batch, width = step.ids.shape
+
+    def grown(t: torch.Tensor, shape: tuple, fill) -> torch.Tensor:
+        out = t.new_full(shape, fill)
+        out[tuple(slice(0, n) for n in t.shape)] = t
+        return out
+
+    return Step(ids=grown(step.ids, (rows, cols), 0), positions=grown(step.positions, (rows, cols), start),
+                real=grown(step.real, (rows, cols), False), see_new=grown(step.see_new, (rows, cols, cols), False))
 
 
 def _masks(model, prefix: PrefixCache, step: Step, call: CallState | None, *, shared: bool):

@@ -2,8 +2,8 @@
 
 `PrefixCache` runs the static prefix through the model once and keeps each layer's keys
 and values (``[1, kv_heads, prefix_len_l, head_dim]``; a sliding-window layer keeps only
-its last ``window - 1`` positions). It is never mutated after construction, so any
-number of threads may share it.
+its last ``window - 1`` positions). Its tensors are never mutated after construction, so
+any number of threads may share it (the CUDA graphs it may keep are behind a lock).
 
 Rows reach the prefix in one of two ways. Shared-prefix attention (`beam_prefix.model.attention`)
 reads these tensors directly and needs nothing else. The expanded engine, for any other
@@ -26,7 +26,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["PrefixCache", "WorkingCache", "LayerState", "new_cache"]
+from beam_prefix.model.suffix_graphs import SuffixGraphs
+
+__all__ = ["PrefixCache", "WorkingCache", "LayerState", "new_cache", "SUFFIX_PASSES"]
+
+SUFFIX_PASSES = ("packed", "buckets", "graphs")
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -63,11 +67,18 @@ class PrefixCache:
     Args:
         model: a causal LM (`...ForCausalLM`); only its base model runs.
         prefix_ids: the prefix token ids.
+        suffix_pass: how shared-prefix attention runs a batch's one-pass steps: ``packed``
+            (default: the rows' real tokens only), ``buckets`` (padded to fixed shapes) or
+            ``graphs`` (fixed shapes replayed as CUDA graphs; CUDA only). The latter two keep
+            a `suffix_graphs.SuffixGraphs` in `graphs`: the one part of a prefix that
+            changes after construction (graphs recorded on first use), behind its own lock.
     """
 
-    def __init__(self, model, prefix_ids: Sequence[int]):
+    def __init__(self, model, prefix_ids: Sequence[int], *, suffix_pass: str = "packed"):
         if not prefix_ids:
             raise ValueError("the prefix is empty: there is nothing to cache")
+        if suffix_pass not in SUFFIX_PASSES:
+            raise ValueError(f"suffix_pass must be one of {SUFFIX_PASSES}, got {suffix_pass!r}")
         self.model = model
         self.config = model.config
         self.length = len(prefix_ids)
@@ -87,6 +98,7 @@ class PrefixCache:
             layers.append(LayerState(layer.keys.detach().clone(), layer.values.detach().clone(), window))
         self.layers: tuple[LayerState, ...] = tuple(layers)
         self._check_layer_types()
+        self.graphs = None if suffix_pass == "packed" else SuffixGraphs(device, capture=suffix_pass == "graphs")
 
     def _check_layer_types(self) -> None:
         for i, state in enumerate(self.layers):

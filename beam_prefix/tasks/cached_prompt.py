@@ -8,8 +8,9 @@ allows, else the expanded working cache). Every engine (`prefix_engine.PrefixEng
 holds one, so classification and extraction build, check and fingerprint prompts the same
 way.
 
-Everything here is read-only after `build` and may be shared by threads; the one mutable
-part, the expanded engine's `WorkingCache`, is made per caller by `working_cache()`.
+Everything here is read-only after `build` and may be shared by threads; the mutable
+parts are the expanded engine's `WorkingCache`, made per caller by `working_cache()`, and
+the prefix's CUDA graphs where asked for (`suffix_graphs`, behind their own lock).
 """
 
 from __future__ import annotations
@@ -66,14 +67,20 @@ class CachedPrompt:
 
     @classmethod
     def build(cls, layout: PromptLayout, answer: Answer, loaded: LoadedModel, *,
-              prefix_attention: str = "auto") -> "CachedPrompt":
+              prefix_attention: str = "auto", suffix_pass: str = "packed") -> "CachedPrompt":
+        """`suffix_pass`: see `PrefixCache` (``buckets`` and ``graphs`` need shared-prefix attention)."""
         if prefix_attention not in PREFIX_ATTENTIONS:
             raise ValueError(f"prefix_attention must be 'auto', 'shared' or 'expanded', got {prefix_attention!r}")
         check_context(layout, answer, loaded.model.config, loaded.model_id)  # before the prefix's forward allocates
+        attention = choose_prefix_attention(loaded.model, prefix_attention)
+        if suffix_pass != "packed" and attention != "shared":
+            raise ValueError(f"suffix_pass={suffix_pass!r} needs shared-prefix attention; this engine uses the "
+                             f"expanded working cache (prefix_attention={prefix_attention!r}, attention "
+                             f"{loaded.model.config._attn_implementation!r})")
         start = time.perf_counter()
-        prefix = PrefixCache(loaded.model, layout.prefix_ids)
+        prefix = PrefixCache(loaded.model, layout.prefix_ids, suffix_pass=suffix_pass)
         return cls(layout=layout, answer=answer, prefix_cache=prefix,
-                   prefix_attention=choose_prefix_attention(loaded.model, prefix_attention),
+                   prefix_attention=attention,
                    fingerprint=layout.fingerprint(loaded.model_id, answer.identity),
                    build_s=time.perf_counter() - start)
 

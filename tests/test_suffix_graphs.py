@@ -1,0 +1,138 @@
+"""The suffix pass at fixed shapes (#36): buckets run here, on the CPU, and give the packed
+path's results; they ask the host nothing inside the pass (what a CUDA graph needs); the
+graphs themselves run only where CUDA is (skipped here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beam_prefix import PrefixClassifier
+from beam_prefix.model.forward import Step, forward
+from beam_prefix.model.suffix_graphs import BUCKETS, bucket
+
+from conftest import ARCHS, BANKING_LABELS, TEXTS, run_in_threads, tiny_task
+from test_host_syncs import _syncs
+
+
+def test_buckets_round_up_by_less_than_half():
+    sizes = range(1, 5000)
+    padded = [bucket(n) for n in sizes]
+    assert all(p >= n for p, n in zip(padded, sizes))
+    assert all(p < 1.5 * n for p, n in zip(padded, sizes) if n <= BUCKETS[-1])
+    assert padded == sorted(padded) and len(set(padded)) < 30  # few shapes: few graphs
+    assert bucket(5000) == 2 * BUCKETS[-1]
+    with pytest.raises(ValueError, match="at least one row"):
+        bucket(0)
+
+
+def _pair(loaded, task, **kwargs):
+    packed = PrefixClassifier(task=task, loaded=loaded, verify=False, batch_size=8, **kwargs)
+    buckets = PrefixClassifier(task=task, loaded=loaded, verify=True, batch_size=8, suffix_pass="buckets", **kwargs)
+    return packed, buckets
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("labels", ["first_token", "exhaustive"])
+def test_buckets_give_the_packed_paths_results(tiny_models, arch, labels):
+    """Labels, scores and features of the padded, dense pass equal the packed pass's (the
+    buckets engine's start-up self-check, cached == full re-encoding, passes too)."""
+    task = tiny_task() if labels == "first_token" else tiny_task(BANKING_LABELS[:4])
+    packed, buckets = _pair(tiny_models[arch], task, label_search="exhaustive")
+    assert buckets.mode == ("first_token" if labels == "first_token" else "sequence")
+    a, b = packed.classify(TEXTS), buckets.classify(TEXTS)
+    assert [p.label for p in a] == [p.label for p in b]
+    assert max(abs(p.scores[k] - q.scores[k]) for p, q in zip(a, b) for k in p.scores) < 1e-5
+    fa = torch.tensor([e.features for e in packed.embed(TEXTS, layers=(1, -1), pooling="mean")])
+    fb = torch.tensor([e.features for e in buckets.embed(TEXTS, layers=(1, -1), pooling="mean")])
+    assert torch.allclose(fa, fb, atol=1e-5)
+    shapes = buckets._prompt.prefix_cache.graphs.shapes
+    assert shapes and all(rows in BUCKETS and cols in BUCKETS for _, _, rows, cols, _ in shapes)
+
+
+def test_a_head_answers_alike_on_buckets(tiny_models):
+    from beam_prefix import fit_head
+
+    base = PrefixClassifier(task=tiny_task(), loaded=tiny_models["llama"], verify=False)
+    head = fit_head(base, TEXTS[:12], ["billing", "technical", "account"] * 4, folds=2, layers=(1, -1),
+                    pooling="mean")
+    packed, buckets = _pair(tiny_models["llama"], tiny_task().replace(scoring="head", head=head))
+    a, b = packed.classify(TEXTS), buckets.classify(TEXTS)
+    assert [p.label for p in a] == [p.label for p in b]
+    assert max(abs(p.score - q.score) for p, q in zip(a, b)) < 1e-5
+
+
+def test_steps_of_one_bucket_share_its_shape(tiny_models):
+    clf = PrefixClassifier(task=tiny_task(), loaded=tiny_models["llama"], verify=False, suffix_pass="buckets")
+    prefix, model = clf._prompt.prefix_cache, clf.model
+
+    def run(rows):
+        with torch.inference_mode():
+            forward(model, prefix, Step.suffixes(rows, prefix.length, "cpu"))
+
+    run([[5] * 3, [6] * 5, [7] * 7])
+    run([[5] * 2, [6] * 6, [7] * 8])  # 3 rows of width <= 8: the same bucket
+    assert len(prefix.graphs.shapes) == 1
+    run([[5] * 9])
+    assert {(r, c) for _, _, r, c, _ in prefix.graphs.shapes} == {(3, 8), (1, 12)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral_sliding"])
+def test_the_bucketed_pass_asks_the_host_nothing(tiny_models, arch):
+    """A CUDA graph replays a pass only if nothing in it waits for the host: the bucketed
+    forward makes no `.item()`/`.tolist()`/`nonzero` (the packed one needs its `nonzero`).
+    On a sliding-window layer the prefix part asks which columns a window hides, so such
+    a prefix is run eagerly, never captured: only full attention is checked bare."""
+    packed = PrefixClassifier(task=tiny_task(), loaded=tiny_models[arch], verify=False)
+    buckets = PrefixClassifier(task=tiny_task(), loaded=tiny_models[arch], verify=False, suffix_pass="buckets")
+    rows = [packed.encode(t).suffix_ids for t in TEXTS[:6]]
+    counts = {}
+    for name, clf in (("packed", packed), ("buckets", buckets)):
+        prefix = clf._prompt.prefix_cache
+        step = Step.suffixes(rows, prefix.length, "cpu")
+        with torch.inference_mode():
+            forward(clf.model, prefix, step, layers=(1, -1))  # warm
+            counts[name] = _syncs(lambda: forward(clf.model, prefix, step, layers=(1, -1)))
+    assert counts["packed"]["aten::nonzero"] >= 1  # the count is real
+    if arch == "llama":
+        assert sum(counts["buckets"].values()) == 0, counts["buckets"]
+    else:
+        assert counts["buckets"]["aten::nonzero"] >= 1
+
+
+def test_buckets_are_shared_by_threads(tiny_models):
+    clf = PrefixClassifier(task=tiny_task(), loaded=tiny_models["llama"], verify=False, suffix_pass="buckets",
+                           batch_size=4)
+    expected = [(p.label, p.score) for p in clf.classify(TEXTS)]
+    results = run_in_threads(lambda i: [(p.label, p.score) for p in clf.fork().classify(TEXTS)], 4)
+    assert all(r == expected for r in results)
+
+
+def test_suffix_pass_is_checked(tiny_models):
+    with pytest.raises(ValueError, match="suffix_pass must be one of"):
+        PrefixClassifier(task=tiny_task(), loaded=tiny_models["llama"], verify=False, suffix_pass="fast")
+    with pytest.raises(ValueError, match="needs shared-prefix attention"):
+        PrefixClassifier(task=tiny_task(), loaded=tiny_models["llama"], verify=False, suffix_pass="buckets",
+                         prefix_attention="expanded")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; this model is on cpu"):
+            PrefixClassifier(task=tiny_task(), loaded=tiny_models["llama"], verify=False, suffix_pass="graphs")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs run only on a CUDA device")
+def test_graphs_replay_the_eager_results_on_cuda(tiny_models):
+    import copy
+
+    from beam_prefix.model.loading import LoadedModel
+
+    loaded = tiny_models["llama"]
+    on_gpu = LoadedModel(copy.deepcopy(loaded.model).cuda(), loaded.tokenizer, loaded.model_id)
+    packed = PrefixClassifier(task=tiny_task(), loaded=on_gpu, verify=False, batch_size=8)
+    graphs = PrefixClassifier(task=tiny_task(), loaded=on_gpu, verify=True, batch_size=8, suffix_pass="graphs")
+    a = packed.classify(TEXTS)
+    for _ in range(2):  # the second time replays the graphs the first recorded
+        b = graphs.classify(TEXTS)
+        assert [p.label for p in a] == [p.label for p in b]
+        assert max(abs(p.score - q.score) for p, q in zip(a, b)) < 1e-5
+    recorded = graphs._prompt.prefix_cache.graphs
+    assert recorded.captured == len(recorded.shapes) >= 1
