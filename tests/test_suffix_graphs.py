@@ -136,3 +136,22 @@ def test_graphs_replay_the_eager_results_on_cuda(tiny_models):
         assert max(abs(p.score - q.score) for p, q in zip(a, b)) < 1e-5
     recorded = graphs._prompt.prefix_cache.graphs
     assert recorded.captured == len(recorded.shapes) >= 1
+
+
+def test_a_graph_that_cannot_be_recorded_leaves_the_buckets_running(monkeypatch):
+    """Recording is tried once; if it fails, the pass runs eagerly from then on, and says why."""
+    from beam_prefix.model.suffix_graphs import SuffixGraphs
+
+    graphs = SuffixGraphs(torch.device("cpu"), capture=False)
+    graphs.capture = True  # as on a CUDA device, whose recording is made to fail here
+
+    def fail(inputs, run_pass):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_record", fail)
+    calls = []
+    run_pass = lambda x: (calls.append(1) or x * 2,)
+    first = graphs.run(("k",), {"x": torch.ones(2)}, run_pass, capturable=True)
+    again = graphs.run(("k",), {"x": torch.ones(2)}, run_pass, capturable=True)
+    assert torch.equal(first[0], torch.full((2,), 2.0)) and torch.equal(again[0], first[0]) and len(calls) == 2
+    assert graphs.captured == 0 and not graphs.capture and "stream is capturing" in graphs.failure

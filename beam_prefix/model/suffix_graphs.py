@@ -20,6 +20,8 @@ them with one launch, but only for fixed shapes and with no host synchronisation
   tensors; a call copies its inputs in, replays, and copies the outputs out. Graphs share
   one memory pool and are replayed one at a time, under this object's lock: it is the one
   mutable thing the threads of an engine share, and the lock is what makes sharing it safe.
+  If recording fails (an operation that cannot be captured), the reason is logged and kept
+  in `failure`, and the buckets run without graphs from then on: slower, never wrong.
 
 Only one-pass steps with nothing earlier in the call take this path (classification: the
 head's features, first-token and exhaustive label scores); pruned search rounds and
@@ -84,6 +86,7 @@ class SuffixGraphs:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self.shapes: set[tuple] = set()  # every bucket key run so far (captured or not)
+        self.failure: str | None = None  # why recording failed, if it did (graphs are then off)
 
     @property
     def captured(self) -> int:
@@ -101,8 +104,13 @@ class SuffixGraphs:
             return run_pass(**inputs)
         with self._lock:
             graph = self._graphs.get(key)
-            if graph is None and len(self._graphs) < self.max_graphs:
-                graph = self._graphs[key] = self._record(inputs, run_pass)
+            if graph is None and self.capture and len(self._graphs) < self.max_graphs:
+                try:
+                    graph = self._graphs[key] = self._record(inputs, run_pass)
+                except Exception as e:  # e.g. an op that cannot be captured: the buckets, eagerly, from now on
+                    self.capture, self.failure = False, f"{type(e).__name__}: {e}"
+                    _LOGGER.warning("recording a CUDA graph of the suffix pass failed (%s); running its "
+                                    "buckets without graphs", self.failure)
             if graph is None:
                 return run_pass(**inputs)
             for name, tensor in inputs.items():
