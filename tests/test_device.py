@@ -6,7 +6,8 @@ torch's default device is to make that default a device no computation can run o
 (``meta``): any tensor made without an explicit device lands there and the first
 operation mixing it with the model's CPU tensors raises. Under it the whole engine
 (first-token, exhaustive and pruned label scoring with calibration, extraction, the
-start-up self-checks and the full re-encoding references) must run and give the same
+fixed-shape buckets of `suffix_pass="buckets"`, the start-up self-checks and the full
+re-encoding references) must run and give the same
 results as outside it.
 """
 
@@ -41,6 +42,11 @@ def _engines(loaded):
         "pruned": PrefixClassifier(task=tiny_task(BANKING_LABELS, scoring="sequence"), loaded=loaded,
                                    label_search="pruned"),
         "extraction": Extractor(task=extract_task(max_new_tokens=24), loaded=loaded),
+        # the fixed-shape passes CUDA graphs record (`suffix_graphs`): padding made on the device too
+        "first_token buckets": PrefixClassifier(task=tiny_task(calibration=True), loaded=loaded,
+                                                suffix_pass="buckets"),
+        "exhaustive buckets": PrefixClassifier(task=tiny_task(BANKING_LABELS, scoring="sequence", calibration=True),
+                                               loaded=loaded, label_search="exhaustive", suffix_pass="buckets"),
     }
 
 
