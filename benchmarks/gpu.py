@@ -13,6 +13,8 @@ held-out tickets repeated to `--rows`):
 - one profiled call at the middle batch size: wall time, device busy time (the kernels'
   own device time; its share of the wall), kernel launches and host synchronisations
   (``aten::item``/``_local_scalar_dense``/``nonzero`` and CUDA stream/device syncs), per batch;
+- per classification workload, `--batch_one_rows` rows classified one at a time against
+  the same rows' whole prompts re-encoded one at a time (ms/row);
 - the bound: a plain forward of ``[B, 20]`` tokens through the base model (what the
   device does with no engine around it), rows/s at the same batch sizes.
 
@@ -98,6 +100,9 @@ def run(argv=None) -> dict | None:
                         help="how classification runs its batches, each measured as its own workload: packed, "
                              "buckets, graphs (default: packed,buckets,graphs on CUDA, packed,buckets elsewhere; "
                              "extraction always runs packed)")
+    parser.add_argument("--batch_one_rows", type=int, default=32,
+                        help="rows classified one at a time, per workload, against the same rows' whole prompts "
+                             "re-encoded one at a time (0: skip)")
     parser.add_argument("--out_dir", default=RESULTS)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -136,6 +141,13 @@ def run(argv=None) -> dict | None:
         for b in batch_sizes:
             engine.batch_size = b
             result["rows_per_s"][b] = round(len(rows) / _best(call, args.device, args.rounds), 1)
+        if not extract and args.batch_one_rows:  # a row at a time: where launches weigh most
+            few = rows[:args.batch_one_rows]
+            engine.batch_size = 1
+            cached = _best(lambda: engine.classify(few), args.device, args.rounds)
+            full = _best(lambda: engine.classify_full(few), args.device, args.rounds)
+            result["batch_one_ms_per_row"] = {"cached": round(1e3 * cached / len(few), 2),
+                                              "full_reencoding": round(1e3 * full / len(few), 2)}
         middle = batch_sizes[len(batch_sizes) // 2]
         engine.batch_size = middle
         result["profiled"] = {"batch": middle, **_profiled(call, args.device, -(-len(rows) // middle))}
@@ -158,13 +170,16 @@ def _write(report: dict, out_dir: str) -> None:
     with open(os.path.join(out_dir, "gpu.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     lines = [f"# The engine on {report['device']} ({report['date']}, torch {report['torch']}, {report['model']})", "",
-             "| workload | rows/s by batch size | profiled batch | busy share | launches / batch | host syncs / batch |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| workload | rows/s by batch size | batch 1, ms/row: cached vs full re-encoding | profiled batch "
+             "| busy share | launches / batch | host syncs / batch |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, w in report["workloads"].items():
         p = w["profiled"]
         rates = ", ".join(f"{b}: {r:,.0f}" for b, r in w["rows_per_s"].items())
-        lines.append(f"| {name} | {rates} | {p['batch']} | {p['device_busy_share']:.0%} | {p['launches_per_batch']} "
-                     f"| {p['host_syncs_per_batch']} |")
+        one = w.get("batch_one_ms_per_row")
+        ones = f"{one['cached']} vs {one['full_reencoding']}" if one else "-"
+        lines.append(f"| {name} | {rates} | {ones} | {p['batch']} | {p['device_busy_share']:.0%} "
+                     f"| {p['launches_per_batch']} | {p['host_syncs_per_batch']} |")
     bound = ", ".join(f"{b}: {r:,.0f}" for b, r in report["bound_plain_forward_rows_per_s"].items())
     lines += ["", f"Bound, a plain forward of [B, 20] tokens (rows/s by batch size): {bound}."]
     with open(os.path.join(out_dir, "gpu.md"), "w", encoding="utf-8") as f:

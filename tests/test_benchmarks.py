@@ -127,13 +127,15 @@ def test_gpu_benchmark_harness_runs_on_the_cpu_with_a_tiny_model(tiny_dir, tmp_p
     from benchmarks import gpu
 
     report = gpu.run(["--device=cpu", f"--model={tiny_dir}", "--batch_sizes=2,4,8", "--extract_batch_sizes=2,4",
-                      "--rows=8", "--extract_rows=4", "--rounds=1", "--workloads=lm,extract", f"--out_dir={tmp_path}"])
+                      "--rows=8", "--extract_rows=4", "--rounds=1", "--workloads=lm,extract", "--batch_one_rows=3",
+                      f"--out_dir={tmp_path}"])
     assert json.loads((tmp_path / "gpu.json").read_text())["workloads"].keys() == {"lm", "lm, buckets", "extract"}
     assert "| lm |" in (tmp_path / "gpu.md").read_text() and "| lm, buckets |" in (tmp_path / "gpu.md").read_text()
     # the buckets ask the host nothing inside the pass: the packed path's nonzero is gone
     assert (report["workloads"]["lm, buckets"]["profiled"]["host_syncs_per_batch"]
             < report["workloads"]["lm"]["profiled"]["host_syncs_per_batch"])
     lm = report["workloads"]["lm"]
+    assert set(lm["batch_one_ms_per_row"]) == {"cached", "full_reencoding"}
     assert set(lm["rows_per_s"]) == {2, 4, 8} and all(r > 0 for r in lm["rows_per_s"].values())
     assert lm["profiled"]["batch"] == 4 and lm["profiled"]["batches"] == 2
     assert lm["profiled"]["host_syncs_per_batch"] > 0  # the profiler saw the engine's syncs
