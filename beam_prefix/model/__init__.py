@@ -5,7 +5,8 @@ Nothing here knows a task, a prompt's wording or Beam. `loading` finds and loads
 `cpu_linear` lays fp32 CPU linears out once and groups siblings, `attention` is the
 prefix-attention kernel (shared or expanded prefix, packed rows), `prefix_cache` the
 read-only prefix keys/values and a call's working cache, `forward` the one forward path every
-engine runs, `output_head` the LM head applied to chosen positions only.
+engine runs, `suffix_graphs` its one-pass steps at fixed shapes (CUDA graphs on a GPU),
+`output_head` the LM head applied to chosen positions only.
 """
 
 from beam_prefix.model.loading import (DEVICES, EMBEDDED, LoadedModel, check_device, embedded_gguf_path, load_config,
