@@ -50,6 +50,20 @@ def test_buckets_give_the_packed_paths_results(tiny_models, arch, labels):
     assert shapes and all(rows in BUCKETS and cols in BUCKETS for _, _, rows, cols, _ in shapes)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2_sliding"])
+def test_buckets_on_the_gpus_attention_kernels(tiny_models, monkeypatch, arch):
+    """Off the CPU the prefix part is plain matmuls, not torch's CPU flash kernel: the
+    buckets give the packed results on that branch too (what a GPU runs)."""
+    from beam_prefix.model import attention
+
+    assert attention._flash_works()
+    monkeypatch.setattr(attention, "_flash_ok", False)
+    packed, buckets = _pair(tiny_models[arch], tiny_task(BANKING_LABELS[:4]), label_search="exhaustive")
+    a, b = packed.classify(TEXTS), buckets.classify(TEXTS)
+    assert [p.label for p in a] == [p.label for p in b]
+    assert max(abs(p.scores[k] - q.scores[k]) for p, q in zip(a, b) for k in p.scores) < 1e-5
+
+
 def test_a_head_answers_alike_on_buckets(tiny_models):
     from beam_prefix import fit_head
 
@@ -77,12 +91,17 @@ def test_steps_of_one_bucket_share_its_shape(tiny_models):
     assert {(r, c) for _, _, r, c, _ in prefix.graphs.shapes} == {(3, 8), (1, 12)}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral_sliding"])
-def test_the_bucketed_pass_asks_the_host_nothing(tiny_models, arch):
+@pytest.mark.parametrize("arch,flash", [("llama", True), ("llama", False), ("mistral_sliding", True)])
+def test_the_bucketed_pass_asks_the_host_nothing(tiny_models, monkeypatch, arch, flash):
     """A CUDA graph replays a pass only if nothing in it waits for the host: the bucketed
     forward makes no `.item()`/`.tolist()`/`nonzero` (the packed one needs its `nonzero`).
     On a sliding-window layer the prefix part asks which columns a window hides, so such
-    a prefix is run eagerly, never captured: only full attention is checked bare."""
+    a prefix is run eagerly, never captured: only full attention is checked bare. Without
+    the CPU's flash kernel (`flash` False) the prefix part runs as on a GPU."""
+    from beam_prefix.model import attention
+
+    if not flash:
+        monkeypatch.setattr(attention, "_flash_ok", False)
     packed = PrefixClassifier(task=tiny_task(), loaded=tiny_models[arch], verify=False)
     buckets = PrefixClassifier(task=tiny_task(), loaded=tiny_models[arch], verify=False, suffix_pass="buckets")
     rows = [packed.encode(t).suffix_ids for t in TEXTS[:6]]
