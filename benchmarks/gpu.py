@@ -13,6 +13,9 @@ held-out tickets repeated to `--rows`):
 - one profiled call at the middle batch size: wall time, device busy time (the kernels'
   own device time; its share of the wall), kernel launches and host synchronisations
   (``aten::item``/``_local_scalar_dense``/``nonzero`` and CUDA stream/device syncs), per batch;
+- per classification workload, exactness on the 66 held-out tickets: the largest score
+  difference from full re-encoding (`--exact_rows` of them), and for buckets and graphs the
+  labels equal to the packed pass's and the largest score difference from it;
 - per classification workload, `--batch_one_rows` rows classified one at a time against
   the same rows' whole prompts re-encoded one at a time (ms/row);
 - the bound: a plain forward of ``[B, 20]`` tokens through the base model (what the
@@ -75,6 +78,20 @@ def _profiled(call, device: str, batches: int) -> dict:
             "launches_per_batch": round(launches / batches, 1), "host_syncs_per_batch": round(syncs / batches, 1)}
 
 
+def _exactness(engine, texts, packed, full_rows: int) -> dict:
+    """The held-out tickets: the largest score difference from full re-encoding (first
+    `full_rows`), and, given the packed pass's answers, label agreement and the largest
+    score difference from them."""
+    answers = engine.classify(texts)
+    diff = lambda xs, ys: max(abs(x.scores[k] - y.scores[k]) for x, y in zip(xs, ys) for k in x.scores)
+    out = {"rows": len(texts),
+           "max_score_diff_vs_full": diff(answers[:full_rows], engine.classify_full(texts[:full_rows]))}
+    if packed is not None:
+        out["labels_equal_to_packed"] = sum(a.label == p.label for a, p in zip(answers, packed)) / len(texts)
+        out["max_score_diff_vs_packed"] = diff(answers, packed)
+    return out
+
+
 def _bound(model, device: str, batch_sizes, rounds: int) -> dict:
     """A plain forward of [B, 20] tokens through the base model: rows/s."""
     out = {}
@@ -103,6 +120,8 @@ def run(argv=None) -> dict | None:
     parser.add_argument("--batch_one_rows", type=int, default=32,
                         help="rows classified one at a time, per workload, against the same rows' whole prompts "
                              "re-encoded one at a time (0: skip)")
+    parser.add_argument("--exact_rows", type=int, default=16,
+                        help="held-out tickets checked against full re-encoding per workload")
     parser.add_argument("--out_dir", default=RESULTS)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -129,8 +148,10 @@ def run(argv=None) -> dict | None:
                                                 device=args.device, batch_size=b, verify=False),
     }
     runs = [(name, sp) for name in args.workloads.split(",") for sp in (["packed"] if name == "extract" else passes)]
+    packed_answers = {}
     for name, suffix_pass in runs:
         extract = name == "extract"
+        workload = name
         batch_sizes = [int(b) for b in args.extract_batch_sizes.split(",")] if extract else sizes
         rows = (tickets * (1 + args.rows // len(tickets)))[:args.extract_rows if extract else args.rows]
         engine = engines[name](batch_sizes[0], suffix_pass)
@@ -138,6 +159,10 @@ def run(argv=None) -> dict | None:
             name = f"{name}, {suffix_pass}"
         call = (lambda: engine.extract(rows)) if extract else (lambda: engine.classify(rows))
         result = {"rows": len(rows), "rows_per_s": {}}
+        if not extract:  # exact: against full re-encoding, and the same answers as the packed pass
+            result["exactness"] = _exactness(engine, tickets, packed_answers.get(workload), args.exact_rows)
+            if suffix_pass == "packed":
+                packed_answers[workload] = engine.classify(tickets)
         for b in batch_sizes:
             engine.batch_size = b
             result["rows_per_s"][b] = round(len(rows) / _best(call, args.device, args.rounds), 1)
@@ -180,6 +205,13 @@ def _write(report: dict, out_dir: str) -> None:
         ones = f"{one['cached']} vs {one['full_reencoding']}" if one else "-"
         lines.append(f"| {name} | {rates} | {ones} | {p['batch']} | {p['device_busy_share']:.0%} "
                      f"| {p['launches_per_batch']} | {p['host_syncs_per_batch']} |")
+    lines += ["", "Exactness on the held-out tickets (largest score difference):"]
+    for name, w in report["workloads"].items():
+        e = w.get("exactness")
+        if e:
+            same = (f"; labels equal to packed's {e['labels_equal_to_packed']:.1%}, largest difference "
+                    f"{e['max_score_diff_vs_packed']:.1e}" if "labels_equal_to_packed" in e else "")
+            lines.append(f"- {name}: against full re-encoding {e['max_score_diff_vs_full']:.1e}{same}")
     bound = ", ".join(f"{b}: {r:,.0f}" for b, r in report["bound_plain_forward_rows_per_s"].items())
     lines += ["", f"Bound, a plain forward of [B, 20] tokens (rows/s by batch size): {bound}."]
     with open(os.path.join(out_dir, "gpu.md"), "w", encoding="utf-8") as f:

@@ -136,6 +136,9 @@ def test_gpu_benchmark_harness_runs_on_the_cpu_with_a_tiny_model(tiny_dir, tmp_p
             < report["workloads"]["lm"]["profiled"]["host_syncs_per_batch"])
     lm = report["workloads"]["lm"]
     assert set(lm["batch_one_ms_per_row"]) == {"cached", "full_reencoding"}
+    exact = report["workloads"]["lm, buckets"]["exactness"]
+    assert lm["exactness"]["max_score_diff_vs_full"] < 1e-4 and exact["max_score_diff_vs_full"] < 1e-4
+    assert exact["labels_equal_to_packed"] == 1.0 and exact["max_score_diff_vs_packed"] < 1e-5
     assert set(lm["rows_per_s"]) == {2, 4, 8} and all(r > 0 for r in lm["rows_per_s"].values())
     assert lm["profiled"]["batch"] == 4 and lm["profiled"]["batches"] == 2
     assert lm["profiled"]["host_syncs_per_batch"] > 0  # the profiler saw the engine's syncs
