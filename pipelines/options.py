@@ -150,6 +150,11 @@ class ClassifyOptions(PipelineOptions):
         group.add_argument("--output_features", default=None, choices=("true", "false"),
                            help="Add a features column (list<float>): each row's features from the same pass, what "
                                 "a trained head reads (for clustering, dedup or a model of your own).")
+        group.add_argument("--suffix_pass", default=None, choices=("packed", "buckets", "graphs"),
+                           help="How a batch runs on its worker: packed (default: its rows' real tokens only), "
+                                "buckets (padded to a few fixed shapes) or graphs (those shapes replayed as CUDA "
+                                "graphs; needs --device cuda, cuda:N or auto, and a worker without a GPU runs "
+                                "packed). Not yet measured on a GPU: README, GPU workers.")
         group.add_argument("--prob_columns", default=None, choices=("true", "false"),
                            help="One prob_<label> column per label (default: true for tasks of at most 32 "
                                 "labels, else false).")
@@ -183,6 +188,8 @@ def validate(options: PipelineOptions) -> None:
             and not _cuda_here():  # the workers are this machine: auto is the CPU
         raise ValueError(f"--device=auto --dtype=float16: this machine has no CUDA device, so auto is the CPU, "
                          f"where float16 is not a compute type; use --dtype=float32 or bfloat16")
+    if c.suffix_pass == "graphs" and o.device == "cpu":
+        raise ValueError("--suffix_pass=graphs records CUDA graphs: it needs --device=cuda, cuda:N or auto")
     if bool(c.task_dir) != bool(c.task_column):
         raise ValueError("--task_dir and --task_column go together (a directory of tasks, and the column naming "
                          "each row's task)")
@@ -231,7 +238,8 @@ def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyT
                         max_text_tokens=o.max_text_tokens, overflow=o.overflow, calibration=calibration,
                         verify=o.verify == "true", label_search=c.label_search, top_k=c.top_k,
                         prob_columns=None if c.prob_columns is None else c.prob_columns == "true",
-                        keep_columns=keep_columns, device=o.device, output_features=c.output_features == "true")
+                        keep_columns=keep_columns, device=o.device, output_features=c.output_features == "true",
+                        suffix_pass=c.suffix_pass or "packed")
 
 
 def join_negative_lists(argv: Sequence[str], flags: Sequence[str]) -> list[str]:

@@ -174,3 +174,66 @@ def test_a_graph_that_cannot_be_recorded_leaves_the_buckets_running(monkeypatch)
     again = graphs.run(("k",), {"x": torch.ones(2)}, run_pass, capturable=True)
     assert torch.equal(first[0], torch.full((2,), 2.0)) and torch.equal(again[0], first[0]) and len(calls) == 2
     assert graphs.captured == 0 and not graphs.capture and "stream is capturing" in graphs.failure
+
+
+def _expect_labelled(tiny_dir, expected, **kwargs):
+    """Run `ClassifyText(**kwargs)` on `TEXTS`; its rows must carry `expected`'s labels and
+    (within 1e-5) scores, none failed."""
+    import apache_beam as beam
+    from apache_beam.testing.test_pipeline import TestPipeline
+    from apache_beam.testing.util import BeamAssertException, assert_that
+
+    from beam_prefix.beam.classify_transform import ClassifyText
+
+    want = {t: (p.label, p.score) for t, p in zip(TEXTS, expected)}
+
+    def matches(rows):
+        got = {r["text"]: (r["label"], r["score"]) for r in rows}
+        if got.keys() != want.keys() or any(got[t][0] != want[t][0] or abs(got[t][1] - want[t][1]) > 1e-5
+                                            for t in want):
+            raise BeamAssertException(f"{kwargs}: {got} != {want}")
+
+    with TestPipeline() as p:
+        out = p | beam.Create([{"text": t} for t in TEXTS]) | ClassifyText(task=tiny_task(), model=tiny_dir, **kwargs)
+        assert_that(out.labeled, matches)
+        assert_that(out.failed, lambda failed: None if not failed else pytest.fail(f"failed rows: {failed}"),
+                    label="none failed")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a worker without a GPU")
+def test_classify_text_runs_its_suffix_pass_or_packed_where_no_gpu_is(tiny_dir, caplog, monkeypatch):
+    """`ClassifyText(suffix_pass=...)`: buckets give the packed labels and scores; graphs
+    with device auto on a worker without a GPU run packed, saying so."""
+    import logging
+
+    from beam_prefix.model.suffix_graphs import SuffixGraphs
+
+    passes = []  # the DirectRunner runs the workers in this process
+    original = SuffixGraphs.run
+    monkeypatch.setattr(SuffixGraphs, "run", lambda self, *a, **k: passes.append(1) or original(self, *a, **k))
+    expected = PrefixClassifier.load(tiny_task(), tiny_dir, verify=False).classify(TEXTS)
+    _expect_labelled(tiny_dir, expected)
+    assert not passes
+    _expect_labelled(tiny_dir, expected, suffix_pass="buckets")
+    assert passes  # the workers' batches did run in buckets
+    passes.clear()
+    with caplog.at_level(logging.INFO, logger="beam_prefix.beam.classify_dofn"):
+        _expect_labelled(tiny_dir, expected, suffix_pass="graphs", device="auto")
+    assert "so its batches run packed" in caplog.text and not passes
+
+
+def test_graphs_on_a_cpu_device_are_refused_where_the_step_is_built(tiny_dir, tmp_path, capsys):
+    from beam_prefix.beam.classify_transform import ClassifyText
+    from pipelines import classify, extract
+
+    with pytest.raises(ValueError, match="suffix_pass='graphs' records CUDA graphs"):
+        ClassifyText(task=tiny_task(), model=tiny_dir, suffix_pass="graphs")
+    with pytest.raises(ValueError, match="suffix_pass must be one of"):
+        ClassifyText(task=tiny_task(), model=tiny_dir, suffix_pass="graph")
+    sample = str(tmp_path / "in.csv")
+    with open(sample, "w", encoding="utf-8") as f:
+        f.write("text\napp crashes\n")
+    assert classify.main(["--runner=DirectRunner", f"--input={sample}", "--suffix_pass=graphs"]) == 2
+    assert "--suffix_pass=graphs records CUDA graphs" in capsys.readouterr().err
+    assert extract.main(["--runner=DirectRunner", f"--input={sample}", "--suffix_pass=buckets"]) == 2
+    assert "--suffix_pass" in capsys.readouterr().err  # a classification flag: extraction refuses it

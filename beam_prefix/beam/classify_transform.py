@@ -77,6 +77,9 @@ class ClassifyText(beam.PTransform):
             process places the model (README, "GPU workers").
         output_features: add a ``features`` column (a list of floats): each row's features
             from the same pass (`beam_prefix.beam.embed_transform`; what a trained head reads).
+        suffix_pass: ``packed`` (default), ``buckets`` or ``graphs``: on a GPU, ``graphs``
+            replays each batch's pass as a CUDA graph (README, "GPU workers"; needs
+            ``device`` cuda, cuda:N or auto, and a worker without a GPU runs packed).
 
     Returns:
         a `ClassifyResult`: ``labeled`` and ``failed`` PCollections (as attributes or
@@ -95,7 +98,7 @@ class ClassifyText(beam.PTransform):
                  prob_columns: bool | None = None, keep_columns=None, max_batch_duration_secs: float | None = None,
                  tasks=None, task_column: str | None = None, max_prefix_cache_mb: float | None = None,
                  metadata_prefix: str | None = None, device: str = "cpu", output_features: bool = False,
-                 label: str | None = None):
+                 suffix_pass: str = "packed", label: str | None = None):
         super().__init__(label)
         if (task is None) == (tasks is None):
             raise ValueError("give either task (one prompt) or tasks with task_column (a prompt per row)")
@@ -118,7 +121,7 @@ class ClassifyText(beam.PTransform):
         self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs)
         base = dict(model=model, text_column=text_column, id_column=id_column, dtype=dtype, threads=threads,
                     batch_size=batch_size, verify=verify, top_k=top_k, prob_columns=prob_columns,
-                    output_features=output_features,
+                    output_features=output_features, suffix_pass=suffix_pass,
                     keep_columns=None if keep_columns is None else tuple(keep_columns),
                     max_prefix_cache_mb=max_prefix_cache_mb or DEFAULT_MAX_PREFIX_CACHE_MB,
                     metadata_prefix=metadata_prefix, device=device)

@@ -168,9 +168,15 @@ class StepConfig:
         return f"{self.model}|{self.dtype}|{self.device}"
 
     @property
+    def engine_options(self) -> dict:
+        """Settings beyond the task and batch size that shape the engine a step builds."""
+        return {}
+
+    @property
     def task_key(self) -> str:
-        return json.dumps([type(self.task).__name__, dataclasses.asdict(self.task), self.batch_size],
-                          sort_keys=True, default=str)
+        """What a worker's pooled engine is keyed by: two steps share one only if all of it matches."""
+        return json.dumps([type(self.task).__name__, dataclasses.asdict(self.task), self.batch_size,
+                           self.engine_options], sort_keys=True, default=str)
 
 
 class Stamped(NamedTuple):
