@@ -217,7 +217,7 @@ def test_classify_text_runs_its_suffix_pass_or_packed_where_no_gpu_is(tiny_dir, 
     _expect_labelled(tiny_dir, expected, suffix_pass="buckets")
     assert passes  # the workers' batches did run in buckets
     passes.clear()
-    with caplog.at_level(logging.INFO, logger="beam_prefix.beam.classify_dofn"):
+    with caplog.at_level(logging.INFO, logger="beam_prefix.model.suffix_graphs"):
         _expect_labelled(tiny_dir, expected, suffix_pass="graphs", device="auto")
     assert "so its batches run packed" in caplog.text and not passes
 
@@ -237,3 +237,22 @@ def test_graphs_on_a_cpu_device_are_refused_where_the_step_is_built(tiny_dir, tm
     assert "--suffix_pass=graphs records CUDA graphs" in capsys.readouterr().err
     assert extract.main(["--runner=DirectRunner", f"--input={sample}", "--suffix_pass=buckets"]) == 2
     assert "--suffix_pass" in capsys.readouterr().err  # a classification flag: extraction refuses it
+
+
+def test_the_runinference_handler_takes_a_suffix_pass(tiny_dir):
+    from beam_prefix.beam.handler import PrefixCachedModelHandler
+
+    with pytest.raises(ValueError, match="suffix_pass='graphs' records CUDA graphs"):
+        PrefixCachedModelHandler(task=tiny_task(), model=tiny_dir, suffix_pass="graphs")
+    with pytest.raises(ValueError, match="suffix_pass must be one of"):
+        PrefixCachedModelHandler(task=tiny_task(), model=tiny_dir, suffix_pass="fast")
+    packed = PrefixCachedModelHandler(task=tiny_task(), model=tiny_dir, verify=False).load_model()
+    served = PrefixCachedModelHandler(task=tiny_task(), model=tiny_dir, suffix_pass="buckets").load_model()
+    assert packed.classifier._prompt.prefix_cache.graphs is None
+    assert served.classifier._prompt.prefix_cache.graphs is not None
+    a, b = packed.classify(TEXTS), served.classify(TEXTS)
+    assert [p.label for p in a] == [p.label for p in b]
+    assert max(abs(p.score - q.score) for p, q in zip(a, b)) < 1e-5
+    if not torch.cuda.is_available():  # auto landed on the CPU: packed
+        auto = PrefixCachedModelHandler(task=tiny_task(), model=tiny_dir, suffix_pass="graphs", device="auto")
+        assert auto.load_model().classifier._prompt.prefix_cache.graphs is None

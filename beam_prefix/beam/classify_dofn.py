@@ -11,16 +11,13 @@ of rows in one call and writes each prediction into its row. `ClassifyText`
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 
 from beam_prefix.engines.classifier import PrefixClassifier
-from beam_prefix.model.prefix_cache import SUFFIX_PASSES
+from beam_prefix.model.suffix_graphs import check_suffix_pass, for_device
 from beam_prefix.beam.step import FAILED_TAG, StepConfig, failed_record, stamp
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.beam.worker import PrefixStepDoFn
-
-_LOGGER = logging.getLogger(__name__)
 
 __all__ = ["PrefixCachedClassifyDoFn", "ClassifyConfig", "LABELED_TAG", "prob_column", "TOP_K_COLUMN", "FEATURES_COLUMN",
            "PROB_COLUMNS_MAX_LABELS", "FAILED_TAG", "failed_record"]
@@ -70,10 +67,7 @@ class ClassifyConfig(StepConfig):
     def __post_init__(self):
         if not isinstance(self.task, TaskSpec):
             raise ValueError(f"ClassifyConfig needs a classification TaskSpec, got {type(self.task).__name__}")
-        if self.suffix_pass not in SUFFIX_PASSES:
-            raise ValueError(f"suffix_pass must be one of {SUFFIX_PASSES}, got {self.suffix_pass!r}")
-        if self.suffix_pass == "graphs" and self.device == "cpu":
-            raise ValueError("suffix_pass='graphs' records CUDA graphs: it needs device='cuda', 'cuda:N' or 'auto'")
+        check_suffix_pass(self.suffix_pass, self.device)
         if self.prob_columns is None:
             object.__setattr__(self, "prob_columns", len(self.task.labels) <= PROB_COLUMNS_MAX_LABELS)
         columns = [prob_column(n) for n in self.task.label_names]
@@ -94,10 +88,8 @@ class ClassifyConfig(StepConfig):
         """`StepConfig.build_engine`, with the suffix pass (graphs only where the model is on a GPU:
         ``device="auto"`` may have put it on the CPU)."""
         suffix_pass = self.suffix_pass
-        if suffix_pass == "graphs" and next(loaded.model.parameters()).device.type != "cuda":
-            _LOGGER.info("suffix_pass='graphs': this worker's model is on the CPU (device=%r), so its batches "
-                         "run packed", self.device)
-            suffix_pass = "packed"
+        if self.device == "auto":
+            suffix_pass = for_device(suffix_pass, next(loaded.model.parameters()).device)
         return self.engine(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify,
                            suffix_pass=suffix_pass)
 

@@ -36,6 +36,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, MaybeKeyedModelHand
 
 from beam_prefix.engines.classifier import PrefixClassifier
 from beam_prefix.model.loading import EMBEDDED, check_device, load_tokenizer
+from beam_prefix.model.suffix_graphs import check_suffix_pass
 from beam_prefix.tasks.prompt import EncodedText, PromptLayout
 from beam_prefix.tasks.task import TaskSpec
 
@@ -125,6 +126,9 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
             updates (`update_model_path`) replace it.
         dtype, threads, device: as for `PrefixClassifier.load` (``device``: ``cpu``,
             ``cuda``, ``cuda:N`` or ``auto``).
+        suffix_pass: ``packed`` (default), ``buckets`` or ``graphs`` (CUDA graphs; not with
+            ``device="cpu"``; with ``auto`` on a machine without a GPU, packed): README,
+            "GPU workers".
         batch_size: rows per forward pass; also the default `max_batch_size`.
         verify: cached-vs-full self-check at load.
         validate_texts: validate each text in a preprocessing step (see the module doc).
@@ -135,19 +139,22 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
     def __init__(self, *, task: TaskSpec | str, model: str | None = None, dtype: str = "float32",
                  threads: int | None = None, device: str = "cpu", batch_size: int = 16, verify: bool = True,
                  validate_texts: bool = True, min_batch_size: int = 1, max_batch_size: int | None = None,
-                 **kwargs):
+                 suffix_pass: str = "packed", **kwargs):
         super().__init__(min_batch_size=min_batch_size, max_batch_size=max_batch_size or batch_size, **kwargs)
         self._task = task if isinstance(task, TaskSpec) else TaskSpec.from_yaml(task)
         self._model = model or self._task.model or EMBEDDED
         check_device(device, dtype)
+        check_suffix_pass(suffix_pass, device)
         self._dtype, self._threads, self._verify, self._device = dtype, threads, verify, device
+        self._suffix_pass = suffix_pass
         self._batch_size = batch_size
         self._validate_texts = validate_texts
 
     def load_model(self) -> ServedClassifier:
         return ServedClassifier(PrefixClassifier.load(
             self._task, self._model, dtype=self._dtype, threads=self._threads, device=self._device,
-            batch_size=self._batch_size, verify=self._verify), key=_key(self._model, self._task))
+            batch_size=self._batch_size, verify=self._verify, suffix_pass=self._suffix_pass),
+            key=_key(self._model, self._task))
 
     def update_model_path(self, model_path: Optional[str] = None):
         """Use `model_path` from the next `load_model` on (RunInference's model updates); the

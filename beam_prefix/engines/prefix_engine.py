@@ -29,6 +29,7 @@ import torch
 from beam_prefix.tasks.cached_prompt import Answer, CachedPrompt, check_context, length_batches
 from beam_prefix.model.output_head import OutputHead
 from beam_prefix.model.loading import EMBEDDED, LoadedModel, load_config, load_model, load_tokenizer, model_id
+from beam_prefix.model.suffix_graphs import for_device
 from beam_prefix.tasks.prompt import EncodedText, PromptLayout
 
 __all__ = ["PrefixEngine", "VERIFY_PROBES"]
@@ -127,11 +128,14 @@ class PrefixEngine:
                 (`beam_prefix.model.half_precision`).
             threads: torch intra-op threads.
             device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.
-            **kwargs: passed to the constructor (`batch_size`, `verify`, ...).
+            **kwargs: passed to the constructor (`batch_size`, `verify`, ...); a
+                ``suffix_pass="graphs"`` whose model landed on the CPU (``auto``) runs packed.
         """
         task = cls._read_task(task)
         loaded = load_model(model or task.model or EMBEDDED, dtype=dtype, threads=threads, device=device,
                             trust_remote_code=trust_remote_code)
+        if "suffix_pass" in kwargs and device == "auto":
+            kwargs["suffix_pass"] = for_device(kwargs["suffix_pass"], next(loaded.model.parameters()).device)
         return cls(task=task, loaded=loaded, **kwargs)
 
     @classmethod

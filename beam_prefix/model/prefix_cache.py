@@ -26,11 +26,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from beam_prefix.model.suffix_graphs import SuffixGraphs
+from beam_prefix.model.suffix_graphs import SUFFIX_PASSES, SuffixGraphs
 
-__all__ = ["PrefixCache", "WorkingCache", "LayerState", "new_cache", "SUFFIX_PASSES"]
-
-SUFFIX_PASSES = ("packed", "buckets", "graphs")
+__all__ = ["PrefixCache", "WorkingCache", "LayerState", "new_cache"]
 
 _LOGGER = logging.getLogger(__name__)
 

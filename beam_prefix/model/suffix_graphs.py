@@ -42,7 +42,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["BUCKETS", "bucket", "SuffixGraphs"]
+__all__ = ["BUCKETS", "SUFFIX_PASSES", "bucket", "SuffixGraphs", "for_device", "check_suffix_pass"]
+
+SUFFIX_PASSES = ("packed", "buckets", "graphs")
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -59,6 +61,24 @@ def bucket(n: int) -> int:
     if n > BUCKETS[-1]:
         return -(-n // BUCKETS[-1]) * BUCKETS[-1]
     return BUCKETS[bisect.bisect_left(BUCKETS, n)]
+
+
+def check_suffix_pass(suffix_pass: str, device: str) -> None:
+    """Refuse, where a step is built, a suffix pass that does not exist, or graphs on ``cpu``."""
+    if suffix_pass not in SUFFIX_PASSES:
+        raise ValueError(f"suffix_pass must be one of {SUFFIX_PASSES}, got {suffix_pass!r}")
+    if suffix_pass == "graphs" and device == "cpu":
+        raise ValueError("suffix_pass='graphs' records CUDA graphs: it needs device='cuda', 'cuda:N' or 'auto'")
+
+
+def for_device(suffix_pass: str, device: torch.device) -> str:
+    """The suffix pass to run on `device`, where ``device="auto"`` put the model: ``graphs``
+    on a machine without a GPU runs ``packed``, and says so (asked for on ``cpu``, graphs are
+    refused instead, by `SuffixGraphs`)."""
+    if suffix_pass == "graphs" and torch.device(device).type != "cuda":
+        _LOGGER.info("suffix_pass='graphs': the model is on %s, so its batches run packed", device)
+        return "packed"
+    return suffix_pass
 
 
 class _Graph:
