@@ -172,8 +172,9 @@ def forward(model, prefix: PrefixCache, step: Step, *, cache=None, call: CallSta
         base = shallow(base, depth)  # its hidden states are indexed 0..depth
         layers = [i % (model.config.get_text_config().num_hidden_layers + 1) for i in layers]
     if cache is None and call is None and prefix.graphs is not None:
-        states = _bucketed(model, base, prefix, step, every)
-        return states[0] if layers is None else tuple(states[i] if every else states[0] for i in layers)
+        read = tuple(sorted(set(layers))) if every else None
+        states = _bucketed(model, base, prefix, step, read)
+        return states[0] if layers is None else tuple(states[read.index(i)] if every else states[0] for i in layers)
     if cache is None:
         masks = _masks(model, prefix, step, call, shared=True)
         packing = Packing.of_real(step.real)
@@ -209,11 +210,11 @@ def _shared_pass(base, prefix: PrefixCache, ids: torch.Tensor, positions: torch.
                 output_hidden_states=every, **prefix_kwargs(prefix.layers, packing, call))
 
 
-def _bucketed(model, base, prefix: PrefixCache, step: Step, every: bool) -> tuple[torch.Tensor, ...]:
+def _bucketed(model, base, prefix: PrefixCache, step: Step, read: tuple[int, ...] | None) -> tuple[torch.Tensor, ...]:
     """A one-pass step padded to its bucket's fixed shape and run dense, replayed as a CUDA
     graph where the prefix records them (`suffix_graphs`). Returns the hidden states the
-    packed path returns (all of them with `every`, else the last), ``[B, Q, H]`` each,
-    zeros at pad columns."""
+    packed path returns, ``[B, Q, H]`` each, zeros at pad columns: those at indices `read`,
+    or the last one (None). Only these are a graph's outputs, which it keeps allocated."""
     batch, width = step.ids.shape
     rows, cols = bucket(batch), bucket(width)
     padded = _pad_step(step, rows, cols, prefix.length)
@@ -225,12 +226,12 @@ def _bucketed(model, base, prefix: PrefixCache, step: Step, every: bool) -> tupl
 
     def run_pass(ids, positions, **mask_inputs):
         given = {k: mask_inputs[f"mask {k}"] for k in kinds} if kinds else mask_inputs["mask"]
-        out = _shared_pass(base, prefix, ids, positions, given, packing, None, every)
-        return tuple(out.hidden_states) if every else (out.last_hidden_state,)
+        out = _shared_pass(base, prefix, ids, positions, given, packing, None, read is not None)
+        return (out.last_hidden_state,) if read is None else tuple(out.hidden_states[i] for i in read)
 
     # a sliding window's prefix part asks the host which prefix columns some query cannot see
     capturable = all(state.sliding_window is None for state in prefix.layers)
-    outputs = prefix.graphs.run((base, every, rows, cols, tuple(kinds or ())), inputs, run_pass, capturable)
+    outputs = prefix.graphs.run((base, read, rows, cols, tuple(kinds or ())), inputs, run_pass, capturable)
     real = step.real[..., None]
     return tuple(torch.where(real, out.view(rows, cols, -1)[:batch, :width], 0) for out in outputs)
 
