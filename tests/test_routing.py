@@ -200,7 +200,9 @@ def test_pipeline_with_a_task_directory(tiny_dir, tmp_path, capsys):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     for key, spec in TASKS.items():
-        data = {"name": spec.name, "instructions": spec.instructions,
+        # instructions of this test's own: no other test in the process has pooled these prefixes,
+        # so the run builds each one itself (the summary's builds below)
+        data = {"name": spec.name, "instructions": f"{spec.instructions} ({tmp_path.name})",
                 "labels": [label.name for label in spec.labels], "scoring": spec.scoring,
                 "suffix_template": spec.suffix_template}
         if spec.version:
