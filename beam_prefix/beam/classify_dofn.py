@@ -85,13 +85,10 @@ class ClassifyConfig(StepConfig):
         return {"suffix_pass": self.suffix_pass}
 
     def build_engine(self, loaded):
-        """`StepConfig.build_engine`, with the suffix pass (graphs only where the model is on a GPU:
-        ``device="auto"`` may have put it on the CPU)."""
-        suffix_pass = self.suffix_pass
-        if self.device == "auto":
-            suffix_pass = for_device(suffix_pass, next(loaded.model.parameters()).device)
-        return self.engine(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify,
-                           suffix_pass=suffix_pass)
+        """`StepConfig.build_engine`; graphs where ``device="auto"`` found no GPU run packed."""
+        placed = for_device(self.suffix_pass, self.device, next(loaded.model.parameters()).device)
+        config = self if placed == self.suffix_pass else dataclasses.replace(self, suffix_pass=placed)
+        return StepConfig.build_engine(config, loaded)
 
     def added_columns(self) -> list[str]:
         """The columns classification adds to each labelled row, in order (unprefixed)."""

@@ -75,13 +75,9 @@ class EmbedConfig(StepConfig):
         self.engine.check_fits(self.task, self.model, dtype=self.dtype, layers=self.layers)
 
     @property
-    def engine_options(self) -> dict:  # the engine's self-check compares these features
-        return {"check_layers": list(self.layers), "check_pooling": self.pooling}
-
-    def build_engine(self, loaded):
-        """A classifier over the task's prompt whose start-up self-check compares features."""
-        return PrefixClassifier(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify,
-                                check_layers=self.layers, check_pooling=self.pooling)
+    def engine_options(self) -> dict:
+        """A classifier over the task's prompt whose start-up self-check compares these features."""
+        return {"check_layers": self.layers, "check_pooling": self.pooling}
 
 
 class EmbedDoFn(PrefixStepDoFn):

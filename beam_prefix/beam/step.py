@@ -153,8 +153,10 @@ class StepConfig:
 
     def build_engine(self, loaded: LoadedModel):
         """The task's engine over `loaded` (prefix built and self-checked): built once per
-        worker process, step and task, then forked per DoFn instance."""
-        return self.engine(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify)
+        worker process, step and task, then forked per DoFn instance; `engine_options` are
+        its keyword arguments beyond these (and part of the pool's `task_key`)."""
+        return self.engine(task=self.task, loaded=loaded, batch_size=self.batch_size, verify=self.verify,
+                           **self.engine_options)
 
     def check_fits(self) -> None:
         """At launch: refuse a task whose prompt cannot fit the model, or whose head was fit
@@ -169,7 +171,8 @@ class StepConfig:
 
     @property
     def engine_options(self) -> dict:
-        """Settings beyond the task and batch size that shape the engine a step builds."""
+        """Settings beyond the task and batch size that shape the engine a step builds: the
+        engine's keyword arguments (`build_engine`)."""
         return {}
 
     @property

@@ -134,8 +134,8 @@ class PrefixEngine:
         task = cls._read_task(task)
         loaded = load_model(model or task.model or EMBEDDED, dtype=dtype, threads=threads, device=device,
                             trust_remote_code=trust_remote_code)
-        if "suffix_pass" in kwargs and device == "auto":
-            kwargs["suffix_pass"] = for_device(kwargs["suffix_pass"], next(loaded.model.parameters()).device)
+        if "suffix_pass" in kwargs:
+            kwargs["suffix_pass"] = for_device(kwargs["suffix_pass"], device, next(loaded.model.parameters()).device)
         return cls(task=task, loaded=loaded, **kwargs)
 
     @classmethod

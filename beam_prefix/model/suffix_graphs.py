@@ -71,12 +71,12 @@ def check_suffix_pass(suffix_pass: str, device: str) -> None:
         raise ValueError("suffix_pass='graphs' records CUDA graphs: it needs device='cuda', 'cuda:N' or 'auto'")
 
 
-def for_device(suffix_pass: str, device: torch.device) -> str:
-    """The suffix pass to run on `device`, where ``device="auto"`` put the model: ``graphs``
-    on a machine without a GPU runs ``packed``, and says so (asked for on ``cpu``, graphs are
-    refused instead, by `SuffixGraphs`)."""
-    if suffix_pass == "graphs" and torch.device(device).type != "cuda":
-        _LOGGER.info("suffix_pass='graphs': the model is on %s, so its batches run packed", device)
+def for_device(suffix_pass: str, requested: str, placed: torch.device) -> str:
+    """The suffix pass to run on a model placed on `placed` when `requested` was asked for:
+    ``graphs`` with ``auto`` on a machine without a GPU runs ``packed``, and says so (graphs
+    asked for elsewhere than CUDA are refused instead: `check_suffix_pass`, `SuffixGraphs`)."""
+    if suffix_pass == "graphs" and requested == "auto" and torch.device(placed).type != "cuda":
+        _LOGGER.info("suffix_pass='graphs': device='auto' put the model on %s, so its batches run packed", placed)
         return "packed"
     return suffix_pass
 
