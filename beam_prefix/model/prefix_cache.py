@@ -81,6 +81,8 @@ class PrefixCache:
         self.config = model.config
         self.length = len(prefix_ids)
         self.device = device = next(model.parameters()).device
+        # made first: graphs on a model off CUDA are refused before the prefix's forward runs
+        self.graphs = None if suffix_pass == "packed" else SuffixGraphs(device, capture=suffix_pass == "graphs")
         cache = new_cache(self.config, device)
         ids = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)
         with torch.inference_mode():
@@ -96,7 +98,6 @@ class PrefixCache:
             layers.append(LayerState(layer.keys.detach().clone(), layer.values.detach().clone(), window))
         self.layers: tuple[LayerState, ...] = tuple(layers)
         self._check_layer_types()
-        self.graphs = None if suffix_pass == "packed" else SuffixGraphs(device, capture=suffix_pass == "graphs")
 
     def _check_layer_types(self) -> None:
         for i, state in enumerate(self.layers):
