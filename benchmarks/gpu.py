@@ -78,10 +78,10 @@ def _profiled(call, device: str, batches: int) -> dict:
             "launches_per_batch": round(launches / batches, 1), "host_syncs_per_batch": round(syncs / batches, 1)}
 
 
-def _exactness(engine, texts, packed, full_rows: int) -> dict:
+def _exactness(engine, texts, packed, full_rows: int) -> tuple[dict, list]:
     """The held-out tickets: the largest score difference from full re-encoding (first
     `full_rows`), and, given the packed pass's answers, label agreement and the largest
-    score difference from them."""
+    score difference from them; and the engine's answers."""
     answers = engine.classify(texts)
     diff = lambda xs, ys: max(abs(x.scores[k] - y.scores[k]) for x, y in zip(xs, ys) for k in x.scores)
     out = {"rows": len(texts),
@@ -89,7 +89,7 @@ def _exactness(engine, texts, packed, full_rows: int) -> dict:
     if packed is not None:
         out["labels_equal_to_packed"] = sum(a.label == p.label for a, p in zip(answers, packed)) / len(texts)
         out["max_score_diff_vs_packed"] = diff(answers, packed)
-    return out
+    return out, answers
 
 
 def _bound(model, device: str, batch_sizes, rounds: int) -> dict:
@@ -160,9 +160,10 @@ def run(argv=None) -> dict | None:
         call = (lambda: engine.extract(rows)) if extract else (lambda: engine.classify(rows))
         result = {"rows": len(rows), "rows_per_s": {}}
         if not extract:  # exact: against full re-encoding, and the same answers as the packed pass
-            result["exactness"] = _exactness(engine, tickets, packed_answers.get(workload), args.exact_rows)
+            result["exactness"], answers = _exactness(engine, tickets, packed_answers.get(workload),
+                                                      args.exact_rows)
             if suffix_pass == "packed":
-                packed_answers[workload] = engine.classify(tickets)
+                packed_answers[workload] = answers
         for b in batch_sizes:
             engine.batch_size = b
             result["rows_per_s"][b] = round(len(rows) / _best(call, args.device, args.rounds), 1)
