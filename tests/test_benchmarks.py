@@ -4,6 +4,7 @@ speed is shown by `make bench`, in ratios from one run)."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -144,3 +145,28 @@ def test_gpu_benchmark_harness_runs_on_the_cpu_with_a_tiny_model(tiny_dir, tmp_p
     assert lm["profiled"]["host_syncs_per_batch"] > 0  # the profiler saw the engine's syncs
     assert all(r > 0 for r in report["bound_plain_forward_rows_per_s"].values())
 
+
+
+@pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow
+def test_against_commit_times_a_base_commit_and_this_tree_on_the_same_rows(tiny_dir, tmp_path):
+    from benchmarks import against_commit
+
+    report = against_commit.run(["--base=HEAD", f"--model={tiny_dir}", "--rows=6", "--one_row_rows=3", "--batch=4",
+                                 "--rounds=2", f"--out_dir={tmp_path}", "--name=ac"])
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert report["base"] == head and report["this_tree"].startswith(head)
+    assert list(report["classes"]) == ["batch 4", "batch 1"]
+    for c in report["classes"].values():
+        assert len(c["base_rounds"]) == len(c["this_tree_rounds"]) == 2
+        assert c["base_best"] == min(c["base_rounds"]) and c["median_ratio"] > 0
+        assert c["same_labels"]  # the same code on both sides gives the same labels
+    assert "| batch 1, 3 rows |" in (tmp_path / "ac.md").read_text()
+    assert json.loads((tmp_path / "ac.json").read_text())["rounds"] == 2
+
+
+def test_against_commit_refuses_a_revision_that_is_not_a_commit(tmp_path):
+    from benchmarks import against_commit
+
+    with pytest.raises(SystemExit, match="'no-such-revision-here' is not a commit"):
+        against_commit.run(["--base=no-such-revision-here", f"--out_dir={tmp_path}"])
+    assert not list(tmp_path.iterdir())  # refused before any worker or report

@@ -1,0 +1,42 @@
+"""One side of `benchmarks.against_commit`: a classifier of one source tree, timed on command.
+
+Run as a script by path (not as a module), with the tree to time as its working directory
+and first on PYTHONPATH, so `beam_prefix` is imported from that tree; it uses only what
+every version of the package has had (`PrefixClassifier.load`, `classify`). Reads JSON lines
+on stdin (``{"op": "time", "batch": B, "texts": [...]}``, ``{"op": "quit"}``); answers each
+with a JSON line: ``{"ms_per_row": ..., "labels": [...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    import torch
+
+    torch.set_num_threads(settings["threads"])
+    from beam_prefix import PrefixClassifier
+
+    clf = PrefixClassifier.load(settings["task"], model=settings["model"], verify=False,
+                                batch_size=settings["batch"])
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            return
+        texts, batch = cmd["texts"], cmd["batch"]
+        start = time.perf_counter()
+        if batch == 1:
+            labels = [clf.classify([t])[0].label for t in texts]
+        else:
+            labels = [p.label for p in clf.classify(texts)]
+        print(json.dumps({"ms_per_row": (time.perf_counter() - start) / len(texts) * 1000, "labels": labels}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
