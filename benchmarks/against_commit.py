@@ -1,6 +1,7 @@
 """Is the CPU path slower than it was at an earlier commit? This tree against `--base`, timed together.
 
     python -m benchmarks.against_commit --base c6dbd2a [--rounds 8] [--rows 256] [--one_row_rows 60]
+        [--extract_rows 64]
 
 Benchmarks run on different days differ by the machine more than by the code (two runs a
 day apart on these shared cores moved full re-encoding by 12%; the CPU model itself may
@@ -10,9 +11,11 @@ little. This times both versions of the engine in one run: the base commit's tre
 task in a worker process of their own (`benchmarks/commit_worker.py`, run by path inside
 each tree), and the driver asks them in turn, one at a time, to classify the same rows
 (`PrefixClassifier.classify` at `--batch` and one row at a time), alternating which goes first
-each round, after one untimed warm-up round each. Reported per batch class: each side's
-best and median round, the median of the per-round ratios (this tree's ms/row over the
-base's; above 1, this tree is slower), and whether both gave the same labels on every row.
+each round, after one untimed warm-up round each; and, with `--extract_task`, the same
+for `Extractor.extract` (constrained decoding) at `--batch`. Reported per kind of call: each
+side's best and median round, the median of the per-round ratios (this tree's ms/row over
+the base's; above 1, this tree is slower), and whether both gave the same answers (labels,
+generated text) on every row.
 
 Writes `<name>.json` and `<name>.md` under `--out_dir`.
 """
@@ -49,10 +52,10 @@ class TreeWorker:
             raise SystemExit(f"a worker died while {doing} (exit {self.proc.wait()}); its stderr is above")
         return json.loads(line)
 
-    def time(self, texts: list[str], batch: int) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "time", "texts": texts, "batch": batch}) + "\n")
+    def time(self, kind: str, texts: list[str], batch: int) -> dict:
+        self.proc.stdin.write(json.dumps({"op": "time", "kind": kind, "texts": texts, "batch": batch}) + "\n")
         self.proc.stdin.flush()
-        return self._read(f"classifying at batch {batch}")
+        return self._read(f"timing {kind} at batch {batch}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -83,16 +86,23 @@ def run(argv=None) -> dict:
                         help="a task file (read from this tree by both sides)")
     parser.add_argument("--rows", type=int, default=256, help="rows per round at --batch")
     parser.add_argument("--one_row_rows", type=int, default=60, help="rows per round one at a time (0: skip)")
+    parser.add_argument("--extract_task", default=os.path.join(TASKS, "ticket_fields.yaml"),
+                        help="an extraction task file, timed too ('' to skip)")
+    parser.add_argument("--extract_rows", type=int, default=64, help="rows per round extracted at --batch")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out_dir", default=RESULTS)
     parser.add_argument("--name", default="against_commit")
     args = parser.parse_args(argv)
-    settings = {"model": args.model, "task": os.path.abspath(args.task), "threads": args.threads, "batch": args.batch}
-    classes = {f"batch {args.batch}": (args.batch, sample_tickets(args.rows))}
+    extract = bool(args.extract_task and args.extract_rows)
+    settings = {"model": args.model, "task": os.path.abspath(args.task), "threads": args.threads, "batch": args.batch,
+                "extract_task": os.path.abspath(args.extract_task) if extract else None}
+    classes = {f"batch {args.batch}": ("classify", args.batch, sample_tickets(args.rows))}
     if args.one_row_rows:
-        classes["batch 1"] = (1, sample_tickets(args.one_row_rows))
+        classes["batch 1"] = ("classify", 1, sample_tickets(args.one_row_rows))
+    if extract:
+        classes[f"extraction, batch {args.batch}"] = ("extract", args.batch, sample_tickets(args.extract_rows))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip())
@@ -101,12 +111,12 @@ def run(argv=None) -> dict:
         workers = {"base": TreeWorker(tmp, settings), "this tree": TreeWorker(ROOT, settings)}
         try:
             times = {side: {c: [] for c in classes} for side in workers}
-            labels: dict = {}
+            answers: dict = {}
             for r in range(args.rounds + 1):  # round 0 warms up, untimed
-                for c, (batch, texts) in classes.items():
+                for c, (kind, batch, texts) in classes.items():
                     for side in (["base", "this tree"] if r % 2 else ["this tree", "base"]):
-                        got = workers[side].time(texts, batch)
-                        labels[(side, c)] = got["labels"]
+                        got = workers[side].time(kind, texts, batch)
+                        answers[(side, c)] = got["answers"]
                         if r:
                             times[side][c].append(got["ms_per_row"])
                 if r:
@@ -118,14 +128,14 @@ def run(argv=None) -> dict:
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "threads": args.threads,
               "model": args.model, "task": os.path.basename(args.task), "rounds": args.rounds,
               "base": commit, "this_tree": head + (" with uncommitted changes" if dirty else ""), "classes": {}}
-    for c, (batch, texts) in classes.items():
+    for c, (_, _, texts) in classes.items():
         base, this = times["base"][c], times["this tree"][c]
         report["classes"][c] = {
             "rows": len(texts), "base_rounds": base, "this_tree_rounds": this,
             "base_best": min(base), "this_tree_best": min(this),
             "base_median": statistics.median(base), "this_tree_median": statistics.median(this),
             "median_ratio": statistics.median(t / b for t, b in zip(this, base)),
-            "same_labels": labels[("base", c)] == labels[("this tree", c)]}
+            "same_answers": answers[("base", c)] == answers[("this tree", c)]}
     write_results(args.out_dir, args.name, report, _markdown(report), indent=2)
     print(_markdown(report))
     return report
@@ -145,12 +155,12 @@ def _markdown(r: dict) -> str:
              f"{r['model']}, task `{r['task']}`; this tree: {r['this_tree'][:10]}{r['this_tree'][40:]}; "
              f"{r['rounds']} interleaved rounds after a warm-up, one run. Ratio: this tree's ms/row over the "
              "base's, the median of the rounds' ratios (above 1: this tree is slower).", "",
-             "| rows | base best / median ms/row | this tree best / median ms/row | ratio | same labels |",
+             "| rows | base best / median ms/row | this tree best / median ms/row | ratio | same answers |",
              "| --- | --- | --- | --- | --- |"]
     for c, v in r["classes"].items():
         lines.append(f"| {c}, {v['rows']} rows | {v['base_best']:.1f} / {v['base_median']:.1f} | "
                      f"{v['this_tree_best']:.1f} / {v['this_tree_median']:.1f} | {v['median_ratio']:.3f} | "
-                     f"{'yes' if v['same_labels'] else 'NO'} |")
+                     f"{'yes' if v['same_answers'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -2,9 +2,10 @@
 
 Run as a script by path (not as a module), with the tree to time as its working directory
 and first on PYTHONPATH, so `beam_prefix` is imported from that tree; it uses only what
-every version of the package has had (`PrefixClassifier.load`, `classify`). Reads JSON lines
-on stdin (``{"op": "time", "batch": B, "texts": [...]}``, ``{"op": "quit"}``); answers each
-with a JSON line: ``{"ms_per_row": ..., "labels": [...]}``.
+every version of the package has had (`PrefixClassifier.load`, `classify`, `Extractor.load`,
+`extract`). Reads JSON lines on stdin (``{"op": "time", "kind": "classify" | "extract",
+"batch": B, "texts": [...]}``, ``{"op": "quit"}``); answers each with a JSON line:
+``{"ms_per_row": ..., "answers": [...]}`` (each row's label, or its generated text).
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(settings["threads"])
-    from beam_prefix import PrefixClassifier
+    from beam_prefix import Extractor, PrefixClassifier
 
     clf = PrefixClassifier.load(settings["task"], model=settings["model"], verify=False,
                                 batch_size=settings["batch"])
+    extractor = None
+    if settings.get("extract_task"):
+        extractor = Extractor.load(settings["extract_task"], model=settings["model"], verify=False,
+                                   batch_size=settings["batch"])
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -30,11 +35,13 @@ def main() -> None:
             return
         texts, batch = cmd["texts"], cmd["batch"]
         start = time.perf_counter()
-        if batch == 1:
-            labels = [clf.classify([t])[0].label for t in texts]
+        if cmd["kind"] == "extract":
+            answers = [e.raw_output for e in extractor.extract(texts)]
+        elif batch == 1:
+            answers = [clf.classify([t])[0].label for t in texts]
         else:
-            labels = [p.label for p in clf.classify(texts)]
-        print(json.dumps({"ms_per_row": (time.perf_counter() - start) / len(texts) * 1000, "labels": labels}),
+            answers = [p.label for p in clf.classify(texts)]
+        print(json.dumps({"ms_per_row": (time.perf_counter() - start) / len(texts) * 1000, "answers": answers}),
               flush=True)
 
 

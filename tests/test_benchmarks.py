@@ -152,14 +152,14 @@ def test_against_commit_times_a_base_commit_and_this_tree_on_the_same_rows(tiny_
     from benchmarks import against_commit
 
     report = against_commit.run(["--base=HEAD", f"--model={tiny_dir}", "--rows=6", "--one_row_rows=3", "--batch=4",
-                                 "--rounds=2", f"--out_dir={tmp_path}", "--name=ac"])
+                                 "--rounds=2", "--extract_rows=2", f"--out_dir={tmp_path}", "--name=ac"])
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     assert report["base"] == head and report["this_tree"].startswith(head)
-    assert list(report["classes"]) == ["batch 4", "batch 1"]
+    assert list(report["classes"]) == ["batch 4", "batch 1", "extraction, batch 4"]
     for c in report["classes"].values():
         assert len(c["base_rounds"]) == len(c["this_tree_rounds"]) == 2
         assert c["base_best"] == min(c["base_rounds"]) and c["median_ratio"] > 0
-        assert c["same_labels"]  # the same code on both sides gives the same labels
+        assert c["same_answers"]  # the same code on both sides gives the same labels and generated text
     assert "| batch 1, 3 rows |" in (tmp_path / "ac.md").read_text()
     assert json.loads((tmp_path / "ac.json").read_text())["rounds"] == 2
 
