@@ -127,6 +127,7 @@ def run(argv=None) -> dict:
                 w.close()
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "threads": args.threads,
               "model": args.model, "task": os.path.basename(args.task), "rounds": args.rounds,
+              "extract_task": os.path.basename(args.extract_task) if extract else None,
               "base": commit, "this_tree": head + (" with uncommitted changes" if dirty else ""), "classes": {}}
     for c, (_, _, texts) in classes.items():
         base, this = times["base"][c], times["this tree"][c]
@@ -152,7 +153,8 @@ def _machine() -> str:
 
 def _markdown(r: dict) -> str:
     lines = [f"# This tree against commit {r['base'][:10]} ({r['date']}, {r['machine']}, {r['threads']} threads)", "",
-             f"{r['model']}, task `{r['task']}`; this tree: {r['this_tree'][:10]}{r['this_tree'][40:]}; "
+             f"{r['model']}, task `{r['task']}`"
+             + (f", extraction task `{r['extract_task']}`" if r.get("extract_task") else "") + f"; this tree: {r['this_tree'][:10]}{r['this_tree'][40:]}; "
              f"{r['rounds']} interleaved rounds after a warm-up, one run. Ratio: this tree's ms/row over the "
              "base's, the median of the rounds' ratios (above 1: this tree is slower).", "",
              "| rows | base best / median ms/row | this tree best / median ms/row | ratio | same answers |",

@@ -160,7 +160,8 @@ def test_against_commit_times_a_base_commit_and_this_tree_on_the_same_rows(tiny_
         assert len(c["base_rounds"]) == len(c["this_tree_rounds"]) == 2
         assert c["base_best"] == min(c["base_rounds"]) and c["median_ratio"] > 0
         assert c["same_answers"]  # the same code on both sides gives the same labels and generated text
-    assert "| batch 1, 3 rows |" in (tmp_path / "ac.md").read_text()
+    md = (tmp_path / "ac.md").read_text()
+    assert "| batch 1, 3 rows |" in md and f"this tree: {head[:10]}" in md and "`ticket_fields.yaml`" in md
     assert json.loads((tmp_path / "ac.json").read_text())["rounds"] == 2
 
 
