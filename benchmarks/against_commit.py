@@ -152,9 +152,9 @@ def _machine() -> str:
 
 
 def _markdown(r: dict) -> str:
+    tasks = f"task `{r['task']}`" + (f", extraction task `{r['extract_task']}`" if r.get("extract_task") else "")
     lines = [f"# This tree against commit {r['base'][:10]} ({r['date']}, {r['machine']}, {r['threads']} threads)", "",
-             f"{r['model']}, task `{r['task']}`"
-             + (f", extraction task `{r['extract_task']}`" if r.get("extract_task") else "") + f"; this tree: {r['this_tree'][:10]}{r['this_tree'][40:]}; "
+             f"{r['model']}, {tasks}; this tree: {r['this_tree'][:10]}{r['this_tree'][40:]}; "
              f"{r['rounds']} interleaved rounds after a warm-up, one run. Ratio: this tree's ms/row over the "
              "base's, the median of the rounds' ratios (above 1: this tree is slower).", "",
              "| rows | base best / median ms/row | this tree best / median ms/row | ratio | same answers |",

@@ -1,4 +1,4 @@
-"""One side of `benchmarks.against_commit`: a classifier of one source tree, timed on command.
+"""One side of `benchmarks.against_commit`: the engines of one source tree, timed on command.
 
 Run as a script by path (not as a module), with the tree to time as its working directory
 and first on PYTHONPATH, so `beam_prefix` is imported from that tree; it uses only what

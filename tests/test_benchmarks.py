@@ -146,14 +146,15 @@ def test_gpu_benchmark_harness_runs_on_the_cpu_with_a_tiny_model(tiny_dir, tmp_p
     assert all(r > 0 for r in report["bound_plain_forward_rows_per_s"].values())
 
 
-
 @pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow
 def test_against_commit_times_a_base_commit_and_this_tree_on_the_same_rows(tiny_dir, tmp_path):
     from benchmarks import against_commit
+    from benchmarks.data import ROOT
 
     report = against_commit.run(["--base=HEAD", f"--model={tiny_dir}", "--rows=6", "--one_row_rows=3", "--batch=4",
                                  "--rounds=2", "--extract_rows=2", f"--out_dir={tmp_path}", "--name=ac"])
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
     assert report["base"] == head and report["this_tree"].startswith(head)
     assert list(report["classes"]) == ["batch 4", "batch 1", "extraction, batch 4"]
     for c in report["classes"].values():
