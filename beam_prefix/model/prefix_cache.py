@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from beam_prefix.model.suffix_graphs import SUFFIX_PASSES, SuffixGraphs
+from beam_prefix.model.suffix_graphs import SuffixGraphs, check_suffix_pass_name
 
 __all__ = ["PrefixCache", "WorkingCache", "LayerState", "new_cache"]
 
@@ -75,8 +75,7 @@ class PrefixCache:
     def __init__(self, model, prefix_ids: Sequence[int], *, suffix_pass: str = "packed"):
         if not prefix_ids:
             raise ValueError("the prefix is empty: there is nothing to cache")
-        if suffix_pass not in SUFFIX_PASSES:
-            raise ValueError(f"suffix_pass must be one of {SUFFIX_PASSES}, got {suffix_pass!r}")
+        check_suffix_pass_name(suffix_pass)
         self.model = model
         self.config = model.config
         self.length = len(prefix_ids)

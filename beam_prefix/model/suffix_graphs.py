@@ -42,7 +42,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["BUCKETS", "SUFFIX_PASSES", "bucket", "SuffixGraphs", "for_device", "check_suffix_pass"]
+__all__ = ["BUCKETS", "SUFFIX_PASSES", "bucket", "SuffixGraphs", "for_device", "check_suffix_pass",
+           "check_suffix_pass_name"]
 
 SUFFIX_PASSES = ("packed", "buckets", "graphs")
 
@@ -63,10 +64,16 @@ def bucket(n: int) -> int:
     return BUCKETS[bisect.bisect_left(BUCKETS, n)]
 
 
-def check_suffix_pass(suffix_pass: str, device: str) -> None:
-    """Refuse, where a step is built, a suffix pass that does not exist, or graphs on ``cpu``."""
+def check_suffix_pass_name(suffix_pass: str) -> None:
+    """Refuse a suffix pass that does not exist."""
     if suffix_pass not in SUFFIX_PASSES:
         raise ValueError(f"suffix_pass must be one of {SUFFIX_PASSES}, got {suffix_pass!r}")
+
+
+def check_suffix_pass(suffix_pass: str, device: str) -> None:
+    """Refuse, where a step is built, a suffix pass that does not exist, or graphs on ``cpu``
+    (the device as asked for; `SuffixGraphs` refuses a model placed off CUDA)."""
+    check_suffix_pass_name(suffix_pass)
     if suffix_pass == "graphs" and device == "cpu":
         raise ValueError("suffix_pass='graphs' records CUDA graphs: it needs device='cuda', 'cuda:N' or 'auto'")
 
