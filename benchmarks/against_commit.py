@@ -23,9 +23,7 @@ Writes `<name>.json` and `<name>.md` under `--out_dir`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,35 +31,9 @@ import tempfile
 import time
 
 from benchmarks.data import ROOT, RESULTS, TASKS, sample_tickets, write_results
+from benchmarks.peers import Worker, _machine
 
 WORKER = os.path.join(ROOT, "benchmarks", "commit_worker.py")
-
-
-class TreeWorker:
-    """`commit_worker.py` running on the source tree at `tree`, spoken to by JSON lines."""
-
-    def __init__(self, tree: str, settings: dict):
-        env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(settings["threads"]))
-        self.proc = subprocess.Popen([sys.executable, "-u", WORKER, json.dumps(settings)], cwd=tree, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read("loading the model")
-
-    def _read(self, doing: str) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"a worker died while {doing} (exit {self.proc.wait()}); its stderr is above")
-        return json.loads(line)
-
-    def time(self, kind: str, texts: list[str], batch: int) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "time", "kind": kind, "texts": texts, "batch": batch}) + "\n")
-        self.proc.stdin.flush()
-        return self._read(f"timing {kind} at batch {batch}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=60)
 
 
 def checkout(base: str, into: str) -> str:
@@ -108,14 +80,17 @@ def run(argv=None) -> dict:
                                 capture_output=True, text=True).stdout.strip())
     with tempfile.TemporaryDirectory() as tmp:
         commit = checkout(args.base, tmp)
-        workers = {"base": TreeWorker(tmp, settings), "this tree": TreeWorker(ROOT, settings)}
+        workers = {"base": Worker(args.threads, command=(WORKER,), tree=tmp),
+                   "this tree": Worker(args.threads, command=(WORKER,), tree=ROOT)}
         try:
+            for worker in workers.values():
+                worker.ask(op="load", **settings)
             times = {side: {c: [] for c in classes} for side in workers}
             answers: dict = {}
             for r in range(args.rounds + 1):  # round 0 warms up, untimed
                 for c, (kind, batch, texts) in classes.items():
                     for side in (["base", "this tree"] if r % 2 else ["this tree", "base"]):
-                        got = workers[side].time(kind, texts, batch)
+                        got = workers[side].ask(op="time", kind=kind, texts=texts, batch=batch)
                         answers[(side, c)] = got["answers"]
                         if r:
                             times[side][c].append(got["ms_per_row"])
@@ -140,15 +115,6 @@ def run(argv=None) -> dict:
     write_results(args.out_dir, args.name, report, _markdown(report), indent=2)
     print(_markdown(report))
     return report
-
-
-def _machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        name = ""
-    return ", ".join(v for v in (name, platform.machine(), f"{os.cpu_count()} cores") if v)
 
 
 def _markdown(r: dict) -> str:

@@ -3,9 +3,11 @@
 Run as a script by path (not as a module), with the tree to time as its working directory
 and first on PYTHONPATH, so `beam_prefix` is imported from that tree; it uses only what
 every version of the package has had (`PrefixClassifier.load`, `classify`, `Extractor.load`,
-`extract`). Reads JSON lines on stdin (``{"op": "time", "kind": "classify" | "extract",
-"batch": B, "texts": [...]}``, ``{"op": "quit"}``); answers each with a JSON line:
-``{"ms_per_row": ..., "answers": [...]}`` (each row's label, or its generated text).
+`extract`). Spoken to as `benchmarks.peers.Worker`: JSON lines on stdin, one answer a line.
+``{"op": "load", "model", "task", "threads", "batch", "extract_task"}`` loads the engines
+(``extract_task`` None: no extractor); ``{"op": "time", "kind": "classify" | "extract",
+"batch": B, "texts": [...]}`` answers ``{"ms_per_row": ..., "answers": [...]}`` (each row's
+label, or its generated text); ``{"op": "quit"}`` ends.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import sys
 import time
 
 
-def main() -> None:
-    settings = json.loads(sys.argv[1])
+def _load(settings: dict):
     import torch
 
     torch.set_num_threads(settings["threads"])
@@ -28,11 +29,19 @@ def main() -> None:
     if settings.get("extract_task"):
         extractor = Extractor.load(settings["extract_task"], model=settings["model"], verify=False,
                                    batch_size=settings["batch"])
-    print(json.dumps({"ready": True}), flush=True)
+    return clf, extractor
+
+
+def main() -> None:
+    clf = extractor = None
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             return
+        if cmd["op"] == "load":
+            clf, extractor = _load(cmd)
+            print(json.dumps({"ready": True}), flush=True)
+            continue
         texts, batch = cmd["texts"], cmd["batch"]
         start = time.perf_counter()
         if cmd["kind"] == "extract":

@@ -36,11 +36,14 @@ from benchmarks.data import ROOT, TASKS, RESULTS, sample_tickets
 
 
 class Worker:
-    """A `benchmarks.peer_worker` process spoken to by JSON lines."""
+    """A benchmark worker process spoken to by JSON lines: `benchmarks.peer_worker` by
+    default, or `command` (the arguments after the interpreter) run with `tree` as its
+    working directory and PYTHONPATH (`benchmarks.against_commit`: another commit's tree)."""
 
-    def __init__(self, threads: int):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.peer_worker"], cwd=ROOT, env=env,
+    def __init__(self, threads: int, *, command: tuple[str, ...] = ("-m", "benchmarks.peer_worker"),
+                 tree: str = ROOT):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=tree)
+        self.proc = subprocess.Popen([sys.executable, *command], cwd=tree, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, **cmd) -> dict:
