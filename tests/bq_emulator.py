@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -64,7 +65,7 @@ class Emulator:
                 return
             except OSError:
                 time.sleep(0.2)
-        self.stop()
+        self.stop(keep_home=True)
         raise RuntimeError(f"bqemulator did not answer within {timeout_s} s; see {self.log.name}")
 
     def client(self):
@@ -75,7 +76,9 @@ class Emulator:
         return bigquery.Client(project=PROJECT, credentials=AnonymousCredentials(),
                                client_options=ClientOptions(api_endpoint=self.rest))
 
-    def stop(self) -> None:
+    def stop(self, *, keep_home: bool = False) -> None:
+        """Stop the emulator and remove its home folder (`keep_home`: keep it, with the log
+        a failure message points to)."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -84,3 +87,5 @@ class Emulator:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+        if not keep_home:
+            shutil.rmtree(self.home, ignore_errors=True)

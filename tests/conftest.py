@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import os
 import pathlib
+import shutil
+import tempfile
 
 # before transformers is imported: it reads these once
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,6 +27,27 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 from beam_prefix import TaskSpec
 from beam_prefix.model.loading import LoadedModel, load_model
+
+
+def pytest_configure(config):
+    """Every temporary file of the run goes into one folder, removed when the run ends:
+    Beam leaves a ``beam-pipeline-temp*`` folder for each pipeline built but never run
+    (the tests of construction errors) and ``MultiProcessShared`` its address and lock
+    files. The first process makes it; the workers (xdist, Beam's worker processes)
+    inherit it through TMPDIR."""
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())  # tmp_path stays pytest's own
+    inherited = os.environ.get("BEAM_PREFIX_TEST_TMPDIR")
+    folder = inherited or tempfile.mkdtemp(prefix="beam-prefix-tests-")
+    os.environ["BEAM_PREFIX_TEST_TMPDIR"] = os.environ["TMPDIR"] = tempfile.tempdir = folder
+    if not inherited:
+        config.beam_prefix_tmpdir = folder
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "beam_prefix_tmpdir", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SUPPORT_TASK = ROOT / "pipelines" / "tasks" / "support_tickets.yaml"

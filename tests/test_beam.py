@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import tempfile
 import threading
 
@@ -90,9 +91,12 @@ def _run(tiny_dir, task, rows, options=None, **kwargs):
     for name in ("labeled", "failed"):
         (result[name] | f"Json{name}" >> beam.Map(lambda r: json.dumps(r, default=repr, sort_keys=True))
          | f"Write{name}" >> beam.io.WriteToText(os.path.join(out, name), file_name_suffix=".jsonl"))
-    run = p.run()
-    run.wait_until_finish()
-    return _read_jsonl(os.path.join(out, "labeled*")), _read_jsonl(os.path.join(out, "failed*")), run
+    try:
+        run = p.run()
+        run.wait_until_finish()
+        return _read_jsonl(os.path.join(out, "labeled*")), _read_jsonl(os.path.join(out, "failed*")), run
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # each run left a folder in /tmp
 
 
 def test_classify_text_equals_full_reencoding_and_conserves_rows(tiny_dir):
