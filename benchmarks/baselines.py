@@ -1,7 +1,7 @@
 """Ours against what a user with labelled rows would use instead, on the same rows (#35).
 
     make bench-baselines      # installs the `baselines` extra, then runs this
-    python -m benchmarks.baselines [--cost_rows 256] [--rounds 3]
+    python -m benchmarks.baselines [--cost_rows 256] [--rounds 3] [--tune_full] [--contenders tfidf,minilm,...]
 
 Banking77 (CC-BY-4.0, arXiv 2003.04807): fit on the whole train split (10,003 rows) and on
 10 rows per intent (770 rows, seed 77 per intent, as `benchmarks.heads`); accuracy on the
@@ -29,7 +29,13 @@ Banking77 (CC-BY-4.0, arXiv 2003.04807): fit on the whole train split (10,003 ro
   contender's head of the same rows, `pipelines.tune`'s step 1, not fit twice);
 - ours, early exit, tuned, bfloat16: that tuned model loaded in bf16, its heads fit in bf16
   with the n-gram weight of the bf16 contender's head of the same rows
-  (`pipelines.tune --dtype bfloat16`).
+  (`pipelines.tune --dtype bfloat16`);
+- ours, exit at layer 6, bfloat16 (untuned, and tuned: layers 1-6): the same two with a head
+  on layer 6 alone, so the forward stops after 6 of 30 layers (`benchmarks.layer_survey`,
+  training folds: layer 6 alone 91.5% against 91.9% for 6 and 12): the cheapest heads.
+
+`--contenders` runs a subset (their keys, comma-separated; a tuned one needs its untuned
+base of the same precision, whose head gives it the n-gram weight).
 
 Cost: ms per row at batch 64 with one torch thread, every contender in this one process,
 best of `--rounds` interleaved rounds over the same `--cost_rows` test rows (features and
@@ -122,6 +128,8 @@ class Ours:
     name = "ours: embedded SmolLM2-135M, prefix-cached, trained head"
     task_file = "banking77_head.yaml"
     shipped = True  # the task's head file fits this precision (else only heads fit here answer)
+    layers: tuple[int, ...] | None = None  # the head's layers, when not the task's head's
+    dtype = "float32"  # the model it is given: load_model's dtype
 
     def __init__(self, loaded, head=None):
         from beam_prefix import PrefixClassifier, TaskSpec
@@ -138,7 +146,7 @@ class Ours:
         shipped = self.task.head
         base = PrefixClassifier(task=self.task.replace(scoring="auto", head=None), loaded=self.loaded,
                                 batch_size=64, verify=False)
-        head = fit_head(base, [t for t, _ in rows], [g for _, g in rows], layers=shipped.layers,
+        head = fit_head(base, [t for t, _ in rows], [g for _, g in rows], layers=self.layers or shipped.layers,
                         pooling=shipped.pooling, label_rows=label_rows)
         return type(self)(self.loaded, head)
 
@@ -161,6 +169,7 @@ class OursEarlyHalf(OursEarly):
 
     name = "ours, early exit, bfloat16: the same in bf16 linears, its head fit in bf16"
     shipped = False
+    dtype = "bfloat16"
 
 
 class OursEarlyTuned(OursEarly):
@@ -188,23 +197,27 @@ class OursEarlyTuned(OursEarly):
 
         texts, labels = [t for t, _ in rows], [g for _, g in rows]
         spec = self.task.head
+        layers = self.layers or spec.layers
         alpha = base.lexical.alpha if base.lexical is not None else 0.0
         task = self.task.replace(scoring="auto", head=None)
         if tuned is None:
             self._dir = tempfile.TemporaryDirectory()  # lives as long as the contenders holding it
             out = os.path.join(self._dir.name, "tuned")
-            self.record = tune_model(task, texts, labels, output_dir=out, layers=spec.layers, pooling=spec.pooling,
+            self.record = tune_model(task, texts, labels, output_dir=out, layers=layers, pooling=spec.pooling,
                                      epochs=self.full_epochs if len(rows) > 2000 else self.few_epochs,
                                      base_lexical_alpha=alpha, log=print)
         else:
             self._dir, self.record = tuned._dir, tuned.record
             out = os.path.join(self._dir.name, "tuned")
-        loaded = load_model(out, dtype=self.dtype)
         # cached == full checked in float32 (the float32 contender checks the directory the bf16
-        # one reuses): in bf16 the tuned model's LM label scores, which no head reads, can differ
-        # from re-encoding beyond bf16's tolerance (they did at 10 per intent, 2026-12-05)
+        # one reuses; a bf16 one tuning on its own checks it here): in bf16 the tuned model's LM
+        # label scores, which no head reads, can differ from re-encoding beyond bf16's tolerance
+        # (they did at 10 per intent, 2026-12-05)
+        if tuned is None and self.dtype != "float32":
+            PrefixClassifier(task=task, loaded=load_model(out), batch_size=64, verify=True)
+        loaded = load_model(out, dtype=self.dtype)
         on_tuned = PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=self.dtype == "float32")
-        head = fit_head(on_tuned, texts, labels, layers=spec.layers, pooling=spec.pooling, label_rows=label_rows,
+        head = fit_head(on_tuned, texts, labels, layers=layers, pooling=spec.pooling, label_rows=label_rows,
                         lexical_alpha=alpha)
         model = type(self)(loaded, head)
         model._dir, model.record = self._dir, self.record
@@ -218,6 +231,48 @@ class OursEarlyTunedHalf(OursEarlyTuned):
 
     name = "ours, early exit, tuned, bfloat16: the tuned model in bf16 linears, its head fit in bf16"
     dtype = "bfloat16"
+
+
+class OursExit6Half(OursEarlyHalf):
+    """A head on layer 6 alone, in bfloat16: the forward stops after 6 of the model's 30 layers."""
+
+    name = "ours, exit at layer 6, bfloat16: the same prompt, head on layer 6 (6 of 30 layers run), fit in bf16"
+    layers = (6,)
+
+
+class OursExit6TunedHalf(OursEarlyTunedHalf):
+    """The layer-6 head on the model whose layers 1-6 were tuned on the rows (in float32, as
+    `pipelines.tune --dtype bfloat16` tunes), loaded in bf16; the n-gram weight from the bf16
+    layer-6 head of the same rows."""
+
+    name = "ours, exit at layer 6, tuned, bfloat16: the same, the model's layers 1-6 tuned on the rows"
+    layers = (6,)
+
+
+# report keys of the contenders, in the table's order
+CONTENDERS = {"tfidf": Tfidf, "minilm": MiniLM, "ours": Ours, "ours_early": OursEarly,
+              "ours_early_bf16": OursEarlyHalf, "ours_early_tuned": OursEarlyTuned,
+              "ours_early_tuned_bf16": OursEarlyTunedHalf, "ours_exit6_bf16": OursExit6Half,
+              "ours_exit6_tuned_bf16": OursExit6TunedHalf}
+# a tuned contender's base: the untuned one of the same rows and precision, whose head gives
+# it the n-gram weight
+BASES = {"ours_early_tuned": "ours_early", "ours_early_tuned_bf16": "ours_early_bf16",
+         "ours_exit6_tuned_bf16": "ours_exit6_bf16"}
+# a contender that reuses another's tuning (pipelines.tune --dtype bfloat16 tunes in float32)
+REUSES = {"ours_early_tuned_bf16": "ours_early_tuned"}
+
+
+def chosen_contenders(value: str) -> list[str]:
+    """The report keys `--contenders` names, in the table's order; refused when one is unknown
+    or a tuned one comes without its base."""
+    keys = [k.strip() for k in value.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in CONTENDERS]
+    if unknown or not keys:
+        raise SystemExit(f"--contenders: unknown {unknown or 'empty list'}; choose from {', '.join(CONTENDERS)}")
+    missing = [f"{k} needs {BASES[k]}" for k in keys if k in BASES and BASES[k] not in keys]
+    if missing:
+        raise SystemExit(f"--contenders: {'; '.join(missing)} (its head gives the n-gram weight)")
+    return [k for k in CONTENDERS if k in keys]
 
 
 def _label_rows() -> list[tuple[str, str]]:
@@ -247,7 +302,11 @@ def run(argv=None) -> dict | None:
     parser.add_argument("--out_dir", default=RESULTS)
     parser.add_argument("--tune_full", action="store_true",
                         help="also tune on the whole train split (one epoch, about 20-35 min on 2 cores)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="which to run, by report key (comma-separated; default all): " + ", ".join(CONTENDERS))
+    parser.add_argument("--name", default="baselines", help="report file name (without .json/.md)")
     args = parser.parse_args(argv)
+    keys = chosen_contenders(args.contenders)
     try:
         import all_minilm_l6_v2  # noqa: F401
         import sentence_transformers  # noqa: F401
@@ -262,57 +321,50 @@ def run(argv=None) -> dict | None:
     loaded = load_model("embedded")
     half = load_model("embedded", dtype="bfloat16")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "train": len(train),
-              "few": len(few), "test": len(test), "accuracy": {}, "fit_s": {}}
-    shipped = {Ours.name: Ours(loaded), OursEarly.name: OursEarly(loaded)}
-    ours = {Ours.name: "ours", OursEarly.name: "ours_early", OursEarlyHalf.name: "ours_early_bf16",
-            OursEarlyTuned.name: "ours_early_tuned", OursEarlyTunedHalf.name: "ours_early_tuned_bf16"}  # report keys
-    # a tuned contender's base head (its n-gram weight) is the untuned contender's of the same
-    # rows and precision, and the bf16 one reuses the float32 one's tuning (as pipelines.tune
-    # --dtype bfloat16 tunes in float32)
-    bases = {OursEarlyTuned.name: OursEarly.name, OursEarlyTunedHalf.name: OursEarlyHalf.name}
+              "few": len(few), "test": len(test), "contenders": keys, "accuracy": {}, "fit_s": {}}
     fitted = {}
-    for name, make in ((Tfidf.name, Tfidf), (MiniLM.name, MiniLM), (Ours.name, lambda: Ours(loaded)),
-                       (OursEarly.name, lambda: OursEarly(loaded)), (OursEarlyHalf.name, lambda: OursEarlyHalf(half)),
-                       (OursEarlyTuned.name, lambda: OursEarlyTuned(loaded)),
-                       (OursEarlyTunedHalf.name, lambda: OursEarlyTunedHalf(half))):
+    for key in keys:
+        cls = CONTENDERS[key]
+        name = cls.name
         for regime, rows in (("full train", train), ("10 rows per intent", few)):
-            if name in bases and regime == "full train" and not args.tune_full:
+            if key in BASES and regime == "full train" and not args.tune_full:
                 continue  # ~20-35 min per epoch over 10,003 rows on 2 cores: --tune_full
             start = time.perf_counter()
-            if name in shipped and regime == "full train":
-                model = shipped[name]  # the shipped head, fit by pipelines.fit on the same train split
-            elif name in bases:
-                reuse = {"tuned": fitted[(OursEarlyTuned.name, regime)]} if name == OursEarlyTunedHalf.name else {}
-                model = make().fit(rows, label_rows=regime != "full train", base=fitted[(bases[name], regime)].head,
-                                   **reuse)
-            elif name in ours:  # the full split as pipelines.fit fits it;
-                # few rows: the task's label rows too (chosen by training folds: layer_survey)
-                model = make().fit(rows, label_rows=regime != "full train")
+            if not issubclass(cls, Ours):
+                model = cls().fit(rows)
+            elif cls.shipped and regime == "full train":
+                model = cls(loaded)  # the shipped head, fit by pipelines.fit on the same train split
             else:
-                model = make().fit(rows)
+                make = cls(half if cls.dtype == "bfloat16" else loaded)
+                # few rows: the task's label rows too (chosen by training folds: layer_survey)
+                extra = {}
+                if key in BASES:
+                    extra["base"] = fitted[(BASES[key], regime)].head
+                    if REUSES.get(key) in keys:
+                        extra["tuned"] = fitted[(REUSES[key], regime)]
+                model = make.fit(rows, label_rows=regime != "full train", **extra)
             report["fit_s"][f"{name} | {regime}"] = round(time.perf_counter() - start, 1)
             acc = _accuracy(model, test)
             report["accuracy"].setdefault(name, {})[regime] = acc
-            fitted[(name, regime)] = model
-            if name == OursEarlyTuned.name:
-                report[f"{ours[name]}_record" + ("" if regime == "full train" else "_few")] = {
+            fitted[(key, regime)] = model
+            if key in BASES and REUSES.get(key) not in keys:  # a contender that tuned
+                report[f"{key}_record" + ("" if regime == "full train" else "_few")] = {
                     "tune_s": model.record.tune_s, "losses": list(model.record.losses), "epochs": model.record.epochs,
                     "tuned_layers": model.record.tuned_layers, "base_lexical_alpha": model.record.base_lexical_alpha}
-            if name in ours:
-                report[f"{ours[name]}_head" if regime == "full train" else f"{ours[name]}_few_head"] = \
-                    _head_facts(model.head)
+            if issubclass(cls, Ours):
+                report[f"{key}_head" if regime == "full train" else f"{key}_few_head"] = _head_facts(model.head)
             print(f"{name} | {regime}: {acc:.1%}", flush=True)
-    # what the label rows do for the sentence encoder, at 10 rows per intent (not in the table)
-    report["minilm_few_with_label_rows"] = _accuracy(MiniLM().fit(few, label_rows=True), test)
-    print(f"MiniLM + label rows | 10 rows per intent: {report['minilm_few_with_label_rows']:.1%}", flush=True)
+    if "minilm" in keys:  # what the label rows do for the sentence encoder, at 10 rows per intent (not in the table)
+        report["minilm_few_with_label_rows"] = _accuracy(MiniLM().fit(few, label_rows=True), test)
+        print(f"MiniLM + label rows | 10 rows per intent: {report['minilm_few_with_label_rows']:.1%}", flush=True)
     # cost: one thread, batch 64, the same test rows, interleaved rounds
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         texts = [t for t, _ in test[:args.cost_rows]]
         # the tuned contenders run as fitted on the whole split, else (no --tune_full) on 10 per intent
-        contenders = {name: fitted.get((name, "full train")) or fitted[(name, "10 rows per intent")]
-                      for name in report["accuracy"]}
+        contenders = {CONTENDERS[k].name: fitted.get((k, "full train")) or fitted[(k, "10 rows per intent")]
+                      for k in keys}
         for model in contenders.values():
             model.predict(texts[:64])  # warm-up
         times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -325,68 +377,83 @@ def run(argv=None) -> dict | None:
     finally:
         torch.set_num_threads(threads)
     best = {name: min(v) for name, v in times.items()}
-    report["cost"] = {"ms_per_row_rounds": times, "ms_per_row_best": best,
-                      "ours / MiniLM": round(best[Ours.name] / best[MiniLM.name], 2),
-                      "ours early exit / MiniLM": round(best[OursEarly.name] / best[MiniLM.name], 2),
-                      "ours early exit bf16 / MiniLM": round(best[OursEarlyHalf.name] / best[MiniLM.name], 2),
-                      "ours early exit tuned / MiniLM": round(best[OursEarlyTuned.name] / best[MiniLM.name], 2),
-                      "ours early exit tuned bf16 / MiniLM": round(best[OursEarlyTunedHalf.name] / best[MiniLM.name],
-                                                                   2)}
+    report["cost"] = {"ms_per_row_rounds": times, "ms_per_row_best": best}
+    if "minilm" in keys:
+        for key, label in RATIO_NAMES.items():
+            if key in keys:
+                report["cost"][label] = round(best[CONTENDERS[key].name] / best[MiniLM.name], 2)
     print(json.dumps(report["cost"], indent=1), flush=True)
-    _write(report, args.out_dir)
+    _write(report, args.out_dir, args.name)
     return report
 
 
-def _write(report: dict, out_dir: str) -> None:
-    cost = report["cost"]["ms_per_row_best"]
+# the cost ratios' names in the report
+RATIO_NAMES = {"ours": "ours / MiniLM", "ours_early": "ours early exit / MiniLM",
+               "ours_early_bf16": "ours early exit bf16 / MiniLM", "ours_early_tuned": "ours early exit tuned / MiniLM",
+               "ours_early_tuned_bf16": "ours early exit tuned bf16 / MiniLM",
+               "ours_exit6_bf16": "ours exit 6 bf16 / MiniLM", "ours_exit6_tuned_bf16": "ours exit 6 tuned bf16 / MiniLM"}
+
+
+def _write(report: dict, out_dir: str, name: str = "baselines") -> None:
+    cost, ratios = report["cost"]["ms_per_row_best"], report["cost"]
     lines = [f"# Banking77: ours against what users pick instead ({report['date']}, {report['cpus']} CPUs)", "",
              f"Accuracy on the {report['test']:,} test rows; fit on the full train split ({report['train']:,} rows) "
              f"or 10 rows per intent ({report['few']} rows). Cost: ms/row at batch 64, 1 thread, best of interleaved "
              f"rounds in one process.", "",
              "| method | full train | 10 rows per intent | ms/row |", "| --- | --- | --- | --- |"]
-    for name, acc in report["accuracy"].items():
+    for method, acc in report["accuracy"].items():
         full = f"{acc['full train']:.1%}" if "full train" in acc else "not run"
-        ms = cost[name]
-        lines.append(f"| {name} | {full} | {acc['10 rows per intent']:.1%} | {ms} |")
-    h, few = report["ours_head"], report.get("ours_few_head", {})
-    lines += ["", f"Ours: the shipped banking77_head (layers {h['layers']}, {h['pooling']} pooling, n-grams weighed "
-                  f"{h['lexical_alpha']:g} by training-row folds; 5-fold accuracy {h['kfold_accuracy']}, hidden states "
-                  f"alone {h['kfold_accuracy_hidden_states']}); the 10-per-intent head's n-grams weighed "
-                  f"{few.get('lexical_alpha', 0):g}. Ours / MiniLM cost {report['cost']['ours / MiniLM']}x.", "",
-              f"At 10 rows per intent our heads also train on the task's label rows (each intent's name as text: "
-              f"`fit_head(label_rows=True)`, chosen by training folds, benchmarks.layer_survey); MiniLM + LR given the "
-              f"same rows: {report['minilm_few_with_label_rows']:.1%}."]
-    for key, what, cost in (("ours_early", "Ours, early exit: banking77_fast_head", "ours early exit / MiniLM"),
-                            ("ours_early_bf16", "Ours, early exit, bfloat16: `load_model(dtype='bfloat16')` (the base "
-                             "model's linear layers in bf16, the rest float32), its full-split head fit in this run "
-                             "as `pipelines.fit --dtype bfloat16` fits one", "ours early exit bf16 / MiniLM")):
+        lines.append(f"| {method} | {full} | {acc['10 rows per intent']:.1%} | {cost[method]} |")
+
+    def ratio(key):
+        return f" Its cost / MiniLM {ratios[RATIO_NAMES[key]]}x." if RATIO_NAMES[key] in ratios else ""
+
+    h, few = report.get("ours_head"), report.get("ours_few_head", {})
+    if h:
+        lines += ["", f"Ours: the shipped banking77_head (layers {h['layers']}, {h['pooling']} pooling, n-grams weighed "
+                      f"{h['lexical_alpha']:g} by training-row folds; 5-fold accuracy {h['kfold_accuracy']}, hidden "
+                      f"states alone {h['kfold_accuracy_hidden_states']}); the 10-per-intent head's n-grams weighed "
+                      f"{few.get('lexical_alpha', 0):g}.{ratio('ours')}"]
+    if "minilm_few_with_label_rows" in report:
+        lines += ["", f"At 10 rows per intent our heads also train on the task's label rows (each intent's name as "
+                      f"text: `fit_head(label_rows=True)`, chosen by training folds, benchmarks.layer_survey); MiniLM + "
+                      f"LR given the same rows: {report['minilm_few_with_label_rows']:.1%}."]
+    bf16_fit = ("(the base model's linear layers in bf16, the rest float32), its full-split head fit in this run as "
+                "`pipelines.fit --dtype bfloat16` fits one")
+    for key, what in (("ours_early", "Ours, early exit: banking77_fast_head"),
+                      ("ours_early_bf16", f"Ours, early exit, bfloat16: `load_model(dtype='bfloat16')` {bf16_fit}"),
+                      ("ours_exit6_bf16", f"Ours, exit at layer 6, bfloat16: the same prompt, `load_model(dtype="
+                                          f"'bfloat16')` {bf16_fit} on layer 6 alone")):
         e, efew = report.get(f"{key}_head"), report.get(f"{key}_few_head", {})
-        if e:
+        if e or efew:
+            e = e or efew
             lines += ["", f"{what} (layers {e['layers']}, {e['pooling']} pooling, n-grams weighed "
                           f"{e['lexical_alpha']:g}; 5-fold accuracy {e['kfold_accuracy']}, hidden states alone "
                           f"{e['kfold_accuracy_hidden_states']}); the 10-per-intent head's n-grams weighed "
-                          f"{efew.get('lexical_alpha', 0):g}. Its cost / MiniLM {report['cost'][cost]}x."]
-    t = report.get("ours_early_tuned_record_few")
-    if t:
-        h = report.get("ours_early_tuned_few_head", {})
-        lines += ["", f"Ours, early exit, tuned: at 10 rows per intent, `tune_model` on the 770 rows (layers 1-"
-                      f"{t['tuned_layers']}, {t['epochs']} epochs, {t['tune_s']:.0f} s, loss {t['losses'][0]} -> "
-                      f"{t['losses'][-1]}), then its head fit with the label rows and the n-gram weight the base "
-                      f"model's folds chose ({t['base_lexical_alpha']:g}); the head's own 5-fold accuracy "
-                      f"{h.get('kfold_accuracy')} overrates it (the folds' rows were tuned on). Full split: "
-                      + _full_tuning(report)]
+                          f"{efew.get('lexical_alpha', 0):g}.{ratio(key)}"]
+    for key, what in (("ours_early_tuned", "Ours, early exit, tuned"),
+                      ("ours_exit6_tuned_bf16", "Ours, exit at layer 6, tuned, bfloat16")):
+        t = report.get(f"{key}_record_few")
+        if t:
+            fh = report.get(f"{key}_few_head", {})
+            lines += ["", f"{what}: at 10 rows per intent, `tune_model` on the 770 rows (layers 1-"
+                          f"{t['tuned_layers']}, {t['epochs']} epochs, {t['tune_s']:.0f} s, loss {t['losses'][0]} -> "
+                          f"{t['losses'][-1]}), then its head fit with the label rows and the n-gram weight the base "
+                          f"model's folds chose ({t['base_lexical_alpha']:g}); the head's own 5-fold accuracy "
+                          f"{fh.get('kfold_accuracy')} overrates it (the folds' rows were tuned on). Full split: "
+                          + _full_tuning(report, key) + ratio(key)]
     if report.get("ours_early_tuned_bf16_few_head"):
         hb = report.get("ours_early_tuned_bf16_head")
         weight = f"; the whole-split head's n-grams weighed {hb['lexical_alpha']:g}" if hb else ""
         lines += ["", f"Ours, early exit, tuned, bfloat16: the same tuned models loaded with `dtype='bfloat16'`, each "
                       f"head fit in bf16 with the n-gram weight of the bf16 base head of the same rows "
-                      f"(`pipelines.tune --dtype bfloat16`: the tuning itself runs in float32){weight}. Its cost / "
-                      f"MiniLM {report['cost']['ours early exit tuned bf16 / MiniLM']}x."]
-    write_results(out_dir, "baselines", report, "\n".join(lines) + "\n")
+                      f"(`pipelines.tune --dtype bfloat16`: the tuning itself runs in float32){weight}."
+                      f"{ratio('ours_early_tuned_bf16')}"]
+    write_results(out_dir, name, report, "\n".join(lines) + "\n")
 
 
-def _full_tuning(report: dict) -> str:
-    t = report.get("ours_early_tuned_record")
+def _full_tuning(report: dict, key: str = "ours_early_tuned") -> str:
+    t = report.get(f"{key}_record")
     if not t:
         return "not tuned in this run (one epoch, about 20-35 min on 2 cores: `--tune_full`)."
     return (f"tuned in this run, {t['epochs']} epoch(s), {t['tune_s']:.0f} s, loss {t['losses'][0]} -> {t['losses'][-1]}, "
