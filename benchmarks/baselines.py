@@ -51,10 +51,10 @@ import os
 import random
 import time
 
-import numpy as np
 import torch
 
-from benchmarks.data import DATA, RESULTS, TASKS, csv_rows, write_results
+from benchmarks.baseline_contenders import BASES, CONTENDERS, REUSES, MiniLM, Ours, chosen_contenders
+from benchmarks.data import DATA, RESULTS, csv_rows, write_results
 
 
 def _few(rows, per_label=10):
@@ -62,226 +62,6 @@ def _few(rows, per_label=10):
     for row in rows:
         by.setdefault(row[1], []).append(row)
     return [r for label in sorted(by) for r in random.Random(77).sample(by[label], per_label)]
-
-
-class Tfidf:
-    name = "TF-IDF word 1-2 + char 2-5 + logistic regression"
-
-    def fit(self, rows):
-        from scipy.sparse import hstack
-        from sklearn.feature_extraction.text import TfidfVectorizer
-        from sklearn.linear_model import LogisticRegression
-
-        texts = [t for t, _ in rows]
-        self.w = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True).fit(texts)
-        self.c = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), sublinear_tf=True, min_df=2).fit(texts)
-        self._x = lambda ts: hstack([self.w.transform(ts), self.c.transform(ts)]).tocsr()
-        self.model = LogisticRegression(C=10.0, max_iter=3000).fit(self._x(texts), [g for _, g in rows])
-        return self
-
-    def predict(self, texts):
-        return list(self.model.predict(self._x(texts)))
-
-
-def _cv_logistic(x, y):
-    """Logistic regression on standardised features, C by stratified 5-fold CV (as our heads)."""
-    from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
-    from sklearn.model_selection import StratifiedKFold
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    k = min(5, min(np.unique(y, return_counts=True)[1]))
-    search = make_pipeline(StandardScaler(), LogisticRegressionCV(
-        Cs=[0.01, 0.1, 1.0, 10.0], cv=StratifiedKFold(k, shuffle=True, random_state=0), max_iter=2000,
-        l1_ratios=(0.0,), use_legacy_attributes=False)).fit(x, y)
-    c = float(np.atleast_1d(search[-1].C_)[0])
-    return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=2000)).fit(x, y)
-
-
-class MiniLM:
-    name = "all-MiniLM-L6-v2 embeddings + logistic regression"
-
-    def __init__(self):
-        import all_minilm_l6_v2
-        from sentence_transformers import SentenceTransformer
-
-        from beam_prefix.model.loading import cache_root
-
-        path = os.path.join(cache_root(), "all-MiniLM-L6-v2")  # unpacked once, read offline
-        if not os.path.exists(os.path.join(path, "all-MiniLM-L6-v2")):
-            all_minilm_l6_v2.extract_model(path)
-        self.encoder = SentenceTransformer(os.path.join(path, "all-MiniLM-L6-v2"), device="cpu")
-
-    def embed(self, texts):
-        return self.encoder.encode(list(texts), batch_size=64, convert_to_numpy=True)
-
-    def fit(self, rows, label_rows=False):
-        rows = list(rows) + (_label_rows() if label_rows else [])
-        self.model = _cv_logistic(self.embed([t for t, _ in rows]), [g for _, g in rows])
-        return self
-
-    def predict(self, texts):
-        return list(self.model.predict(self.embed(texts)))
-
-
-class Ours:
-    name = "ours: embedded SmolLM2-135M, prefix-cached, trained head"
-    task_file = "banking77_head.yaml"
-    shipped = True  # the task's head file fits this precision (else only heads fit here answer)
-    layers: tuple[int, ...] | None = None  # the head's layers, when not the task's head's
-    dtype = "float32"  # the model it is given: load_model's dtype
-
-    def __init__(self, loaded, head=None):
-        from beam_prefix import PrefixClassifier, TaskSpec
-
-        self.task = TaskSpec.from_yaml(os.path.join(TASKS, self.task_file))
-        self.loaded = loaded
-        self.head = head if head is not None or not self.shipped else self.task.head
-        self.clf = None if self.head is None else PrefixClassifier(task=self.task.replace(head=self.head),
-                                                                   loaded=loaded, batch_size=64, verify=False)
-
-    def fit(self, rows, label_rows=False):
-        from beam_prefix import PrefixClassifier, fit_head
-
-        shipped = self.task.head
-        base = PrefixClassifier(task=self.task.replace(scoring="auto", head=None), loaded=self.loaded,
-                                batch_size=64, verify=False)
-        head = fit_head(base, [t for t, _ in rows], [g for _, g in rows], layers=self.layers or shipped.layers,
-                        pooling=shipped.pooling, label_rows=label_rows)
-        return type(self)(self.loaded, head)
-
-    def predict(self, texts):
-        return [p.label for p in self.clf.classify(list(texts))]
-
-
-class OursEarly(Ours):
-    """The same prompt, a head on layers 6 and 12: the forward stops after layer 12 of 30."""
-
-    name = "ours, early exit: the same, head on layers 6 and 12 (12 of 30 layers run)"
-    task_file = "banking77_fast_head.yaml"
-
-
-class OursEarlyHalf(OursEarly):
-    """The early-exit head in bfloat16 (the base model's linear layers in bf16, the rest
-    float32: `half_precision`), its heads fit here in that precision, with the shipped fast
-    head's layers and pooling, on the same rows (a head answers only in the precision it
-    was fit in)."""
-
-    name = "ours, early exit, bfloat16: the same in bf16 linears, its head fit in bf16"
-    shipped = False
-    dtype = "bfloat16"
-
-
-class OursEarlyTuned(OursEarly):
-    """The early-exit head on the model tuned on the same rows (`pipelines.tune`'s steps:
-    the base model's head on the same rows gives the n-gram weight, layers 1-12 tuned
-    contrastively on the head's features, the head fit on the tuned model with that weight).
-    It runs the early-exit head's layers."""
-
-    name = "ours, early exit, tuned: the same, the model's layers 1-12 tuned on the rows (pipelines.tune)"
-    shipped = False
-    dtype = "float32"
-    # 4 epochs of 770 rows are 48 steps of 64 rows (benchmarks.tuning_survey); one epoch
-    # of the whole split is 156 steps, about 20-35 min on 2 cores
-    few_epochs, full_epochs = 4, 1
-
-    def fit(self, rows, label_rows=False, *, base=None, tuned=None):
-        """`base`: the base model's head fit on the same rows in this contender's precision
-        (its n-gram weight; `pipelines.tune`'s step 1, fit once by the early-exit contender);
-        `tuned`: a contender whose model was tuned on the same rows (reused, not tuned again)."""
-        import tempfile
-
-        from beam_prefix import PrefixClassifier, fit_head
-        from beam_prefix.engines.model_tuning import tune_model
-        from beam_prefix.model import load_model
-
-        texts, labels = [t for t, _ in rows], [g for _, g in rows]
-        spec = self.task.head
-        layers = self.layers or spec.layers
-        alpha = base.lexical.alpha if base.lexical is not None else 0.0
-        task = self.task.replace(scoring="auto", head=None)
-        if tuned is None:
-            self._dir = tempfile.TemporaryDirectory()  # lives as long as the contenders holding it
-            out = os.path.join(self._dir.name, "tuned")
-            self.record = tune_model(task, texts, labels, output_dir=out, layers=layers, pooling=spec.pooling,
-                                     epochs=self.full_epochs if len(rows) > 2000 else self.few_epochs,
-                                     base_lexical_alpha=alpha, log=print)
-        else:
-            self._dir, self.record = tuned._dir, tuned.record
-            out = os.path.join(self._dir.name, "tuned")
-        # cached == full checked in float32 (the float32 contender checks the directory the bf16
-        # one reuses; a bf16 one tuning on its own checks it here): in bf16 the tuned model's LM
-        # label scores, which no head reads, can differ from re-encoding beyond bf16's tolerance
-        # (they did at 10 per intent, 2026-12-05)
-        if tuned is None and self.dtype != "float32":
-            PrefixClassifier(task=task, loaded=load_model(out), batch_size=64, verify=True)
-        loaded = load_model(out, dtype=self.dtype)
-        on_tuned = PrefixClassifier(task=task, loaded=loaded, batch_size=64, verify=self.dtype == "float32")
-        head = fit_head(on_tuned, texts, labels, layers=layers, pooling=spec.pooling, label_rows=label_rows,
-                        lexical_alpha=alpha)
-        model = type(self)(loaded, head)
-        model._dir, model.record = self._dir, self.record
-        return model
-
-
-class OursEarlyTunedHalf(OursEarlyTuned):
-    """The tuned model (the same tuning, reused) loaded in bfloat16, its head fit in bf16
-    with the bf16 base head's n-gram weight: `pipelines.tune --dtype bfloat16`. It runs the
-    bf16 early-exit head's layers."""
-
-    name = "ours, early exit, tuned, bfloat16: the tuned model in bf16 linears, its head fit in bf16"
-    dtype = "bfloat16"
-
-
-class OursExit6Half(OursEarlyHalf):
-    """A head on layer 6 alone, in bfloat16: the forward stops after 6 of the model's 30 layers."""
-
-    name = "ours, exit at layer 6, bfloat16: the same prompt, head on layer 6 (6 of 30 layers run), fit in bf16"
-    layers = (6,)
-
-
-class OursExit6TunedHalf(OursEarlyTunedHalf):
-    """The layer-6 head on the model whose layers 1-6 were tuned on the rows (in float32, as
-    `pipelines.tune --dtype bfloat16` tunes), loaded in bf16; the n-gram weight from the bf16
-    layer-6 head of the same rows."""
-
-    name = "ours, exit at layer 6, tuned, bfloat16: the same, the model's layers 1-6 tuned on the rows"
-    layers = (6,)
-
-
-# report keys of the contenders, in the table's order
-CONTENDERS = {"tfidf": Tfidf, "minilm": MiniLM, "ours": Ours, "ours_early": OursEarly,
-              "ours_early_bf16": OursEarlyHalf, "ours_early_tuned": OursEarlyTuned,
-              "ours_early_tuned_bf16": OursEarlyTunedHalf, "ours_exit6_bf16": OursExit6Half,
-              "ours_exit6_tuned_bf16": OursExit6TunedHalf}
-# a tuned contender's base: the untuned one of the same rows and precision, whose head gives
-# it the n-gram weight
-BASES = {"ours_early_tuned": "ours_early", "ours_early_tuned_bf16": "ours_early_bf16",
-         "ours_exit6_tuned_bf16": "ours_exit6_bf16"}
-# a contender that reuses another's tuning (pipelines.tune --dtype bfloat16 tunes in float32)
-REUSES = {"ours_early_tuned_bf16": "ours_early_tuned"}
-
-
-def chosen_contenders(value: str) -> list[str]:
-    """The report keys `--contenders` names, in the table's order; refused when one is unknown
-    or a tuned one comes without its base."""
-    keys = [k.strip() for k in value.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in CONTENDERS]
-    if unknown or not keys:
-        raise SystemExit(f"--contenders: unknown {unknown or 'empty list'}; choose from {', '.join(CONTENDERS)}")
-    missing = [f"{k} needs {BASES[k]}" for k in keys if k in BASES and BASES[k] not in keys]
-    if missing:
-        raise SystemExit(f"--contenders: {'; '.join(missing)} (its head gives the n-gram weight)")
-    return [k for k in CONTENDERS if k in keys]
-
-
-def _label_rows() -> list[tuple[str, str]]:
-    """The banking77_head task's label rows (`head_fitting.task_label_rows`) as (text, label)."""
-    from beam_prefix import TaskSpec
-    from beam_prefix.engines.head_fitting import task_label_rows
-
-    texts, labels = task_label_rows(TaskSpec.from_yaml(os.path.join(TASKS, "banking77_head.yaml")))
-    return list(zip(texts, labels))
 
 
 def _head_facts(head) -> dict:
@@ -432,7 +212,10 @@ def _write(report: dict, out_dir: str, name: str = "baselines") -> None:
                           f"{e['kfold_accuracy_hidden_states']}); the 10-per-intent head's n-grams weighed "
                           f"{efew.get('lexical_alpha', 0):g}.{ratio(key)}"]
     for key, what in (("ours_early_tuned", "Ours, early exit, tuned"),
-                      ("ours_exit6_tuned_bf16", "Ours, exit at layer 6, tuned, bfloat16")):
+                      ("ours_early_tuned_bf16", "Ours, early exit, tuned, bfloat16 (tuned in float32, its heads fit "
+                                                "in bf16)"),
+                      ("ours_exit6_tuned_bf16", "Ours, exit at layer 6, tuned, bfloat16 (tuned in float32, its heads "
+                                                "fit in bf16)")):
         t = report.get(f"{key}_record_few")
         if t:
             fh = report.get(f"{key}_few_head", {})
@@ -442,7 +225,7 @@ def _write(report: dict, out_dir: str, name: str = "baselines") -> None:
                           f"model's folds chose ({t['base_lexical_alpha']:g}); the head's own 5-fold accuracy "
                           f"{fh.get('kfold_accuracy')} overrates it (the folds' rows were tuned on). Full split: "
                           + _full_tuning(report, key) + ratio(key)]
-    if report.get("ours_early_tuned_bf16_few_head"):
+    if report.get("ours_early_tuned_bf16_few_head") and not report.get("ours_early_tuned_bf16_record_few"):
         hb = report.get("ours_early_tuned_bf16_head")
         weight = f"; the whole-split head's n-grams weighed {hb['lexical_alpha']:g}" if hb else ""
         lines += ["", f"Ours, early exit, tuned, bfloat16: the same tuned models loaded with `dtype='bfloat16'`, each "

@@ -175,17 +175,18 @@ def test_against_commit_refuses_a_revision_that_is_not_a_commit(tmp_path):
 
 
 def test_baselines_runs_the_contenders_asked_for_and_refuses_a_tuned_one_without_its_base(tmp_path):
+    from benchmarks import baseline_contenders as contenders
     from benchmarks import baselines
 
-    assert baselines.chosen_contenders("ours_exit6_tuned_bf16, minilm,ours_exit6_bf16") == [
+    assert contenders.chosen_contenders("ours_exit6_tuned_bf16, minilm,ours_exit6_bf16") == [
         "minilm", "ours_exit6_bf16", "ours_exit6_tuned_bf16"]  # the table's order
-    assert baselines.chosen_contenders(",".join(baselines.CONTENDERS)) == list(baselines.CONTENDERS)
+    assert contenders.chosen_contenders(",".join(contenders.CONTENDERS)) == list(contenders.CONTENDERS)
     for value, words in (("minilm,ours_exit6_tuned_bf16", "needs ours_exit6_bf16"), ("minilm,bogus", "unknown"),
                          (",", "empty")):
         with pytest.raises(SystemExit, match=words):  # before any model or data is read
             baselines.run([f"--contenders={value}", f"--out_dir={tmp_path}"])
     assert not list(tmp_path.iterdir())
     # every tuned contender's base is an untuned contender of the same precision
-    for key, base in baselines.BASES.items():
-        assert baselines.CONTENDERS[key].dtype == baselines.CONTENDERS[base].dtype, key
-        assert base not in baselines.BASES
+    for key, base in contenders.BASES.items():
+        assert contenders.CONTENDERS[key].dtype == contenders.CONTENDERS[base].dtype, key
+        assert base not in contenders.BASES
