@@ -8,7 +8,7 @@ it), so that package's own dependencies (the llm CLI, llama-cpp-python) never in
 `pip check` stays clean.
 """
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 # Keep in step with templates/Dockerfile and the README.
 BEAM_VERSION = "2.77.0"
@@ -20,7 +20,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.13",
-    packages=find_packages(include=["beam_prefix", "beam_prefix.*", "pipelines", "pipelines.*"]),
+    # namespace discovery: the data folders (pipelines/tasks, data, yaml) are packages of their own
+    # to setuptools, and plain find_packages made every install print a page of warnings about them
+    packages=find_namespace_packages(include=["beam_prefix", "beam_prefix.*", "pipelines", "pipelines.*"]),
     package_data={"pipelines": ["tasks/*.yaml", "tasks/*.head", "yaml/*.yaml", "data/*.csv", "data/*.parquet", "data/*.jsonl",
                                 "data/banking77/*"]},
     include_package_data=True,
