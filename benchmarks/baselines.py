@@ -239,7 +239,9 @@ def _full_tuning(report: dict, key: str = "ours_early_tuned") -> str:
     t = report.get(f"{key}_record")
     if not t:
         return "not tuned in this run (one epoch, about 20-35 min on 2 cores: `--tune_full`)."
-    return (f"tuned in this run, {t['epochs']} epoch(s), {t['tune_s']:.0f} s, loss {t['losses'][0]} -> {t['losses'][-1]}, "
+    losses = t["losses"]
+    loss = f"loss {losses[0]} -> {losses[-1]}" if len(losses) > 1 else f"loss {losses[0]} (the epoch's mean)"
+    return (f"tuned in this run, {t['epochs']} epoch(s), {t['tune_s']:.0f} s, {loss}, "
             f"its head's n-grams weighed {t['base_lexical_alpha']:g} (the base model's folds).")
 
 
