@@ -1,6 +1,7 @@
 """How deep must the forward go for a Banking77 head? Fold accuracy per last layer read (#35).
 
     python -m benchmarks.layer_survey [--out_dir benchmarks/results] [--features FILE.npz]
+        [--layers 3,6,...,-1] [--candidates "6;3,6;..."] [--label_row_candidates "6,12;..."] [--name layer_survey]
 
 A head that reads no layer past k lets the engine stop the forward after layer k
 (`beam_prefix.model.early_exit`): its cost falls to about k/30 of the embedded model's layers. This
@@ -15,7 +16,9 @@ two shipped heads' layers, with the task's label rows (`fit_head(label_rows=True
 intent's name as text) added to every fold's training rows, never held out.
 
 Both regimes of `benchmarks.baselines`: the full train split and 10 rows per intent.
-Writes `layer_survey.json` and `layer_survey.md` under `--out_dir`.
+`--layers` (the layers whose states are computed), `--candidates` and
+`--label_row_candidates` (sets of them, `;`-separated; an empty value runs none) survey other
+layers, e.g. the heads below layer 6. Writes `<name>.json` and `<name>.md` under `--out_dir`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -30,6 +34,7 @@ import torch
 
 from benchmarks.baselines import _few
 from benchmarks.data import DATA, RESULTS, TASKS, csv_rows
+from pipelines.options import join_negative_lists
 
 SURVEYED = (3, 6, 9, 12, 15, 18, 21, 24, 27, -1)
 ALPHAS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0)
@@ -46,22 +51,22 @@ def _classifier():
     return PrefixClassifier(task=task, loaded=load_model("embedded"), batch_size=64, verify=False)
 
 
-def _label_rows():
+def _label_rows(surveyed=SURVEYED):
     """The banking77_head task's label rows (`head_fitting.task_label_rows`) and their features."""
     from beam_prefix.engines.head_fitting import task_label_rows
 
     clf = _classifier()
     texts, labels = task_label_rows(clf.task)
-    x = np.stack([e.features for e in clf.embed(texts, layers=SURVEYED, pooling="mean")]).astype(np.float16)
+    x = np.stack([e.features for e in clf.embed(texts, layers=surveyed, pooling="mean")]).astype(np.float16)
     return x, texts, labels
 
 
-def _features(texts, path):
+def _features(texts, path, surveyed=SURVEYED):
     if path and os.path.exists(path):
         return np.load(path)["x"]
     clf = _classifier()
     start = time.perf_counter()
-    x = np.stack([e.features for e in clf.embed_encoded([clf.encode(t) for t in texts], layers=SURVEYED,
+    x = np.stack([e.features for e in clf.embed_encoded([clf.encode(t) for t in texts], layers=surveyed,
                                                          pooling="mean")]).astype(np.float16)
     print(f"features of {len(texts)} rows: {time.perf_counter() - start:.0f} s", flush=True)
     if path:
@@ -94,9 +99,11 @@ def _oof(x, y, n, folds, l2=1e-4, iters=100):
     return out
 
 
-def survey(x, texts, labels, extra=None):
+def survey(x, texts, labels, extra=None, *, surveyed=SURVEYED, candidates=CANDIDATES,
+           label_row_candidates=LABEL_ROW_CANDIDATES):
     """Fold accuracy per candidate; with `extra` (the task's label rows: features, texts,
-    labels), also for `LABEL_ROW_CANDIDATES` with them added to every fold's training rows."""
+    labels), also for `label_row_candidates` with them added to every fold's training rows.
+    `x`: ``[N, len(surveyed) * hidden]``, the states of `surveyed` side by side."""
     from sklearn.model_selection import StratifiedKFold
 
     from beam_prefix.tasks.lexical_head import fit_lexical
@@ -106,23 +113,23 @@ def survey(x, texts, labels, extra=None):
     cv = StratifiedKFold(n_splits=5, shuffle=True, random_state=0)
     folds = list(cv.split(np.zeros(len(y)), y))
     _, lexical = fit_lexical(texts, y, len(names), cv=cv)
-    rows = _candidates(x, y, names, folds, lexical, CANDIDATES, "")
-    if extra is not None:
+    rows = _candidates(x, y, names, folds, lexical, candidates, "", surveyed)
+    if extra is not None and label_row_candidates:
         ex, et, el = extra
         n = len(y)
         x, y = np.concatenate([x, ex]), np.concatenate([y, [names.index(v) for v in el]])
         folds = [(np.concatenate([train, np.arange(n, len(y))]), held) for train, held in folds]
         _, lexical = fit_lexical(list(texts) + list(et), y, len(names), cv=folds)
-        rows += _candidates(x, y, names, folds, lexical, LABEL_ROW_CANDIDATES, "label rows")
+        rows += _candidates(x, y, names, folds, lexical, label_row_candidates, "label rows", surveyed)
     return rows
 
 
-def _candidates(x, y, names, folds, lexical, candidates, note):
-    h = x.shape[1] // len(SURVEYED)
+def _candidates(x, y, names, folds, lexical, candidates, note, surveyed=SURVEYED):
+    h = x.shape[1] // len(surveyed)
     scored = len(lexical)
     rows = []
     for chosen in candidates:
-        cols = np.concatenate([np.arange(SURVEYED.index(l) * h, (SURVEYED.index(l) + 1) * h) for l in chosen])
+        cols = np.concatenate([np.arange(surveyed.index(l) * h, (surveyed.index(l) + 1) * h) for l in chosen])
         start = time.perf_counter()
         oof = _oof(x[:, cols], y, len(names), folds)
         by_alpha = {a: round(float(((oof + a * lexical).argmax(1) == y[:scored]).mean()), 4) for a in ALPHAS}
@@ -135,29 +142,49 @@ def _candidates(x, y, names, folds, lexical, candidates, note):
     return rows
 
 
+def _layer_sets(value: str) -> tuple[tuple[int, ...], ...]:
+    """``"6;3,6"`` -> ``((6,), (3, 6))``; an empty value -> no sets."""
+    return tuple(tuple(int(v) for v in part.split(",")) for part in value.split(";") if part.strip())
+
+
 def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", default=RESULTS)
-    parser.add_argument("--features", default=None, help="an .npz to keep the train rows' features in (reused)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--features", default=None,
+                        help="an .npz to keep the train rows' features in (reused; computed for --layers)")
+    parser.add_argument("--layers", default=",".join(map(str, SURVEYED)),
+                        help="the layers whose mean-pooled states are computed (comma-separated)")
+    parser.add_argument("--candidates", default=";".join(",".join(map(str, c)) for c in CANDIDATES),
+                        help="the layer sets surveyed, ';'-separated, each within --layers")
+    parser.add_argument("--label_row_candidates", default=";".join(",".join(map(str, c)) for c in LABEL_ROW_CANDIDATES),
+                        help="the layer sets surveyed with the task's label rows too ('' for none)")
+    parser.add_argument("--name", default="layer_survey", help="report file name (without .json/.md)")
+    args = parser.parse_args(join_negative_lists(list(sys.argv[1:] if argv is None else argv), ("--layers",)))
+    surveyed = tuple(int(v) for v in args.layers.split(","))
+    candidates, label_row_candidates = _layer_sets(args.candidates), _layer_sets(args.label_row_candidates)
+    outside = sorted({l for c in candidates + label_row_candidates for l in c} - set(surveyed))
+    if outside:
+        raise SystemExit(f"--candidates/--label_row_candidates name layers {outside} not in --layers {args.layers}")
     train = csv_rows(os.path.join(DATA, "banking77", "train.csv"), label="category")
-    x = _features([t for t, _ in train], args.features)
+    x = _features([t for t, _ in train], args.features, surveyed)
     index = {id(r): i for i, r in enumerate(train)}
     few = _few(train)
-    extra = _label_rows()
-    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "surveyed": list(SURVEYED),
+    extra = _label_rows(surveyed) if label_row_candidates else None
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "surveyed": list(surveyed),
               "regimes": {}}
     for regime, rows in (("10 rows per intent", few), ("full train", train)):  # the quick one first
         print(regime, flush=True)
         picked = [index[id(r)] for r in rows]
-        report["regimes"][regime] = survey(x[picked], [t for t, _ in rows], [g for _, g in rows], extra)
-        _write(report, args.out_dir)
+        report["regimes"][regime] = survey(x[picked], [t for t, _ in rows], [g for _, g in rows], extra,
+                                           surveyed=surveyed, candidates=candidates,
+                                           label_row_candidates=label_row_candidates)
+        _write(report, args.out_dir, args.name)
     return report
 
 
-def _write(report, out_dir):
+def _write(report, out_dir, name="layer_survey"):
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "layer_survey.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     lines = [f"# Banking77 heads by the last layer they read ({report['date']}, {report['cpus']} CPUs)", "",
              "5-fold out-of-fold accuracy on the training rows (test rows not read): mean-pooled states of the "
@@ -169,7 +196,7 @@ def _write(report, out_dir):
         for r in rows:
             lines.append(f"| {regime} | {r['last_layer']} | {r['layers']} | {r.get('note') or '-'} | "
                          f"{r['hidden_states']:.4f} | {r['with_ngrams']:.4f} ({r['best_alpha']:g}) |")
-    with open(os.path.join(out_dir, "layer_survey.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
 

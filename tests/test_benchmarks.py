@@ -190,3 +190,27 @@ def test_baselines_runs_the_contenders_asked_for_and_refuses_a_tuned_one_without
     for key, base in contenders.BASES.items():
         assert contenders.CONTENDERS[key].dtype == contenders.CONTENDERS[base].dtype, key
         assert base not in contenders.BASES
+
+
+def test_layer_survey_surveys_the_layer_sets_asked_for(tmp_path):
+    import numpy as np
+
+    from benchmarks import layer_survey
+
+    assert layer_survey._layer_sets("6; 3,6;") == ((6,), (3, 6))
+    assert layer_survey._layer_sets("") == ()
+    with pytest.raises(SystemExit, match=r"\[6\] not in --layers 3,4"):  # before any model or data is read
+        layer_survey.run(["--layers=3,4", "--candidates=3;6", "--label_row_candidates=", f"--out_dir={tmp_path}"])
+    assert not list(tmp_path.iterdir())
+    # the states of layers 3 and 4 side by side: layer 4's carry the label, layer 3's are noise
+    rng = np.random.default_rng(0)
+    y = np.arange(90) % 3
+    x3, x4 = rng.normal(size=(90, 8)), rng.normal(size=(90, 8))
+    x4[np.arange(90), y] += 4.0
+    rows = layer_survey.survey(np.hstack([x3, x4]).astype(np.float32), [f"row {i}" for i in range(90)],
+                               [f"label{v}" for v in y], surveyed=(3, 4), candidates=((3,), (4,), (3, 4)),
+                               label_row_candidates=())
+    by = {tuple(r["layers"]): r for r in rows}
+    assert list(by) == [(3,), (4,), (3, 4)]
+    assert by[(4,)]["hidden_states"] > 0.9 > 0.6 > by[(3,)]["hidden_states"]
+    assert by[(4,)]["last_layer"] == 4
