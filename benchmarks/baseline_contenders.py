@@ -190,6 +190,21 @@ class OursExit6Half(OursEarlyHalf):
     layers = (6,)
 
 
+class OursExit2Half(OursExit6Half):
+    """A head on layer 2 alone, in bfloat16: the forward stops after 2 of 30 layers (training
+    folds, `benchmarks.layer_survey --layers 0,1,2`: 91.1% against layer 6's 91.5%)."""
+
+    name = "ours, exit at layer 2, bfloat16: the same prompt, head on layer 2 (2 of 30 layers run), fit in bf16"
+    layers = (2,)
+
+
+class OursExit1Half(OursExit6Half):
+    """A head on layer 1 alone, in bfloat16: one decoder layer runs (training folds: 91.1%)."""
+
+    name = "ours, exit at layer 1, bfloat16: the same prompt, head on layer 1 (1 of 30 layers run), fit in bf16"
+    layers = (1,)
+
+
 class OursExit6TunedHalf(OursEarlyTunedHalf):
     """The layer-6 head on the model whose layers 1-6 were tuned on the rows (in float32, as
     `pipelines.tune --dtype bfloat16` tunes), loaded in bf16; the n-gram weight from the bf16
@@ -203,7 +218,8 @@ class OursExit6TunedHalf(OursEarlyTunedHalf):
 CONTENDERS = {"tfidf": Tfidf, "minilm": MiniLM, "ours": Ours, "ours_early": OursEarly,
               "ours_early_bf16": OursEarlyHalf, "ours_early_tuned": OursEarlyTuned,
               "ours_early_tuned_bf16": OursEarlyTunedHalf, "ours_exit6_bf16": OursExit6Half,
-              "ours_exit6_tuned_bf16": OursExit6TunedHalf}
+              "ours_exit6_tuned_bf16": OursExit6TunedHalf, "ours_exit2_bf16": OursExit2Half,
+              "ours_exit1_bf16": OursExit1Half}
 # a tuned contender's base: the untuned one of the same rows and precision, whose head gives
 # it the n-gram weight
 BASES = {"ours_early_tuned": "ours_early", "ours_early_tuned_bf16": "ours_early_bf16",

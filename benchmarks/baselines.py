@@ -32,7 +32,9 @@ Banking77 (CC-BY-4.0, arXiv 2003.04807): fit on the whole train split (10,003 ro
   (`pipelines.tune --dtype bfloat16`);
 - ours, exit at layer 6, bfloat16 (untuned, and tuned: layers 1-6): the same two with a head
   on layer 6 alone, so the forward stops after 6 of 30 layers (`benchmarks.layer_survey`,
-  training folds: layer 6 alone 91.5% against 91.9% for 6 and 12): the cheapest heads.
+  training folds: layer 6 alone 91.5% against 91.9% for 6 and 12);
+- ours, exit at layer 2 and at layer 1, bfloat16: the same with a head on layer 2 or 1 alone
+  (training folds, `benchmarks.layer_survey --layers 0,1,2`: 91.1% both): the cheapest heads.
 
 `--contenders` runs a subset (their keys, comma-separated; a tuned one needs its untuned
 base of the same precision, whose head gives it the n-gram weight).
@@ -171,7 +173,8 @@ def run(argv=None) -> dict | None:
 RATIO_NAMES = {"ours": "ours / MiniLM", "ours_early": "ours early exit / MiniLM",
                "ours_early_bf16": "ours early exit bf16 / MiniLM", "ours_early_tuned": "ours early exit tuned / MiniLM",
                "ours_early_tuned_bf16": "ours early exit tuned bf16 / MiniLM",
-               "ours_exit6_bf16": "ours exit 6 bf16 / MiniLM", "ours_exit6_tuned_bf16": "ours exit 6 tuned bf16 / MiniLM"}
+               "ours_exit6_bf16": "ours exit 6 bf16 / MiniLM", "ours_exit6_tuned_bf16": "ours exit 6 tuned bf16 / MiniLM",
+               "ours_exit2_bf16": "ours exit 2 bf16 / MiniLM", "ours_exit1_bf16": "ours exit 1 bf16 / MiniLM"}
 
 
 def _write(report: dict, out_dir: str, name: str = "baselines") -> None:
@@ -202,8 +205,8 @@ def _write(report: dict, out_dir: str, name: str = "baselines") -> None:
                 "`pipelines.fit --dtype bfloat16` fits one")
     for key, what in (("ours_early", "Ours, early exit: banking77_fast_head"),
                       ("ours_early_bf16", f"Ours, early exit, bfloat16: `load_model(dtype='bfloat16')` {bf16_fit}"),
-                      ("ours_exit6_bf16", f"Ours, exit at layer 6, bfloat16: the same prompt, `load_model(dtype="
-                                          f"'bfloat16')` {bf16_fit} on layer 6 alone")):
+                      *((f"ours_exit{k}_bf16", f"Ours, exit at layer {k}, bfloat16: the same prompt, `load_model("
+                                               f"dtype='bfloat16')` {bf16_fit} on layer {k} alone") for k in (6, 2, 1))):
         e, efew = report.get(f"{key}_head"), report.get(f"{key}_few_head", {})
         if e or efew:
             e = e or efew
