@@ -214,16 +214,24 @@ class OursExit6TunedHalf(OursEarlyTunedHalf):
     layers = (6,)
 
 
+class OursExit1TunedHalf(OursEarlyTunedHalf):
+    """The layer-1 head on the model whose layer 1 was tuned on the rows (in float32), loaded
+    in bf16; the n-gram weight from the bf16 layer-1 head of the same rows."""
+
+    name = "ours, exit at layer 1, tuned, bfloat16: the same, the model's layer 1 tuned on the rows"
+    layers = (1,)
+
+
 # report keys of the contenders, in the table's order
 CONTENDERS = {"tfidf": Tfidf, "minilm": MiniLM, "ours": Ours, "ours_early": OursEarly,
               "ours_early_bf16": OursEarlyHalf, "ours_early_tuned": OursEarlyTuned,
               "ours_early_tuned_bf16": OursEarlyTunedHalf, "ours_exit6_bf16": OursExit6Half,
               "ours_exit6_tuned_bf16": OursExit6TunedHalf, "ours_exit2_bf16": OursExit2Half,
-              "ours_exit1_bf16": OursExit1Half}
+              "ours_exit1_bf16": OursExit1Half, "ours_exit1_tuned_bf16": OursExit1TunedHalf}
 # a tuned contender's base: the untuned one of the same rows and precision, whose head gives
 # it the n-gram weight
 BASES = {"ours_early_tuned": "ours_early", "ours_early_tuned_bf16": "ours_early_bf16",
-         "ours_exit6_tuned_bf16": "ours_exit6_bf16"}
+         "ours_exit6_tuned_bf16": "ours_exit6_bf16", "ours_exit1_tuned_bf16": "ours_exit1_bf16"}
 # a contender that reuses another's tuning (pipelines.tune --dtype bfloat16 tunes in float32)
 REUSES = {"ours_early_tuned_bf16": "ours_early_tuned"}
 
