@@ -63,14 +63,18 @@ def _label_rows(surveyed=SURVEYED):
 
 def _features(texts, path, surveyed=SURVEYED):
     if path and os.path.exists(path):
-        return np.load(path)["x"]
+        kept = np.load(path)
+        if "layers" not in kept or tuple(kept["layers"].tolist()) != tuple(surveyed):
+            raise SystemExit(f"--features {path}: computed for layers "
+                             f"{kept['layers'].tolist() if 'layers' in kept else 'not recorded'}, not {list(surveyed)}")
+        return kept["x"]
     clf = _classifier()
     start = time.perf_counter()
     x = np.stack([e.features for e in clf.embed_encoded([clf.encode(t) for t in texts], layers=surveyed,
                                                          pooling="mean")]).astype(np.float16)
     print(f"features of {len(texts)} rows: {time.perf_counter() - start:.0f} s", flush=True)
     if path:
-        np.savez(path, x=x)
+        np.savez(path, x=x, layers=np.array(surveyed))
     return x
 
 

@@ -214,3 +214,18 @@ def test_layer_survey_surveys_the_layer_sets_asked_for(tmp_path):
     assert list(by) == [(3,), (4,), (3, 4)]
     assert by[(4,)]["hidden_states"] > 0.9 > 0.6 > by[(3,)]["hidden_states"]
     assert by[(4,)]["last_layer"] == 4
+
+
+def test_layer_survey_refuses_features_kept_for_other_layers(tmp_path):
+    import numpy as np
+
+    from benchmarks import layer_survey
+
+    kept = tmp_path / "features.npz"
+    np.savez(kept, x=np.ones((2, 6), dtype=np.float16), layers=np.array([1, 2]))
+    assert layer_survey._features(["a", "b"], str(kept), (1, 2)).shape == (2, 6)  # reused, no model loaded
+    with pytest.raises(SystemExit, match=r"computed for layers \[1, 2\], not \[1, 2, 3\]"):
+        layer_survey._features(["a", "b"], str(kept), (1, 2, 3))
+    np.savez(kept, x=np.ones((2, 6), dtype=np.float16))  # kept before the layers were recorded
+    with pytest.raises(SystemExit, match="not recorded"):
+        layer_survey._features(["a", "b"], str(kept), (1, 2))
