@@ -101,8 +101,9 @@ def run(argv=None) -> dict | None:
     train = csv_rows(os.path.join(DATA, "banking77", "train.csv"), label="category")
     test = csv_rows(os.path.join(DATA, "banking77", "test.csv"), label="category")
     few = _few(train)
-    loaded = load_model("embedded")
-    half = load_model("embedded", dtype="bfloat16")
+    # the embedded model in each precision a chosen contender of ours runs in, loaded once
+    models = {dtype: load_model("embedded", dtype=dtype)
+              for dtype in sorted({CONTENDERS[k].dtype for k in keys if issubclass(CONTENDERS[k], Ours)})}
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "train": len(train),
               "few": len(few), "test": len(test), "contenders": keys, "accuracy": {}, "fit_s": {}}
     fitted = {}
@@ -116,9 +117,9 @@ def run(argv=None) -> dict | None:
             if not issubclass(cls, Ours):
                 model = cls().fit(rows)
             elif cls.shipped and regime == "full train":
-                model = cls(loaded)  # the shipped head, fit by pipelines.fit on the same train split
+                model = cls(models[cls.dtype])  # the shipped head, fit by pipelines.fit on the same train split
             else:
-                make = cls(half if cls.dtype == "bfloat16" else loaded)
+                make = cls(models[cls.dtype])
                 # few rows: the task's label rows too (chosen by training folds: layer_survey)
                 extra = {}
                 if key in BASES:
@@ -219,10 +220,8 @@ def _write(report: dict, out_dir: str, name: str = "baselines") -> None:
     for key, what in (("ours_early_tuned", "Ours, early exit, tuned"),
                       ("ours_early_tuned_bf16", "Ours, early exit, tuned, bfloat16 (tuned in float32, its heads fit "
                                                 "in bf16)"),
-                      ("ours_exit6_tuned_bf16", "Ours, exit at layer 6, tuned, bfloat16 (tuned in float32, its heads "
-                                                "fit in bf16)"),
-                      ("ours_exit1_tuned_bf16", "Ours, exit at layer 1, tuned, bfloat16 (tuned in float32, its heads "
-                                                "fit in bf16)")):
+                      *((f"ours_exit{k}_tuned_bf16", f"Ours, exit at layer {k}, tuned, bfloat16 (tuned in float32, "
+                                                     f"its heads fit in bf16)") for k in (6, 1))):
         t = report.get(f"{key}_record_few")
         if t:
             fh = report.get(f"{key}_few_head", {})

@@ -24,7 +24,6 @@ layers, e.g. the heads below layer 6. Writes `<name>.json` and `<name>.md` under
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.baselines import _few
-from benchmarks.data import DATA, RESULTS, TASKS, csv_rows
+from benchmarks.data import DATA, RESULTS, TASKS, csv_rows, write_results
 from pipelines.options import join_negative_lists
 
 SURVEYED = (3, 6, 9, 12, 15, 18, 21, 24, 27, -1)
@@ -187,9 +186,6 @@ def run(argv=None) -> dict:
 
 
 def _write(report, out_dir, name="layer_survey"):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
     lines = [f"# Banking77 heads by the last layer they read ({report['date']}, {report['cpus']} CPUs)", "",
              "5-fold out-of-fold accuracy on the training rows (test rows not read): mean-pooled states of the "
              "banking77_head prompt, logistic regression, with the n-gram part weighed by the best alpha. "
@@ -200,8 +196,7 @@ def _write(report, out_dir, name="layer_survey"):
         for r in rows:
             lines.append(f"| {regime} | {r['last_layer']} | {r['layers']} | {r.get('note') or '-'} | "
                          f"{r['hidden_states']:.4f} | {r['with_ngrams']:.4f} ({r['best_alpha']:g}) |")
-    with open(os.path.join(out_dir, f"{name}.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(out_dir, name, report, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
