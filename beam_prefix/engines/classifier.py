@@ -24,6 +24,7 @@ from beam_prefix.engines.label_scorers import LabelScorer, build_scorer
 from beam_prefix.tasks.labels import label_token_ids
 from beam_prefix.engines.prefix_engine import VERIFY_PROBES, PrefixEngine
 from beam_prefix.engines.predictions import Embedding, Prediction
+from beam_prefix.model.early_exit import check_layers
 from beam_prefix.model.half_precision import TOLERANCE, compute_dtype, precision_name
 from beam_prefix.model.loading import precision_of
 from beam_prefix.tasks.prompt import EncodedText
@@ -99,15 +100,11 @@ class PrefixClassifier(PrefixEngine):
         """A head fit for another prompt, model, dtype or labels, and hidden-state layers the
         model does not have, refused from the configuration alone (the engine's own check,
         made again on each worker, would come after the model loads)."""
-        hidden = config.get_text_config().num_hidden_layers + 1  # embeddings, then each layer
         wanted = [("layers", tuple(layers))] if layers is not None else []
         if task.head is not None:
             wanted.append((f"head {task.head.source or task.head.identity}: layers", task.head.layers))
         for what, indices in wanted:
-            bad = [i for i in indices if not -hidden <= i < hidden]
-            if bad:
-                raise TaskSpecError(f"{what} {list(indices)}: {bad} out of range for model {model}, whose "
-                                    f"hidden states are indices -{hidden}..{hidden - 1} ({hidden - 1} layers)")
+            check_layers(config, indices, what=what, model=model)
         if task.head is not None:
             cls._check_head(task, layout, answer, model, precision_of(dtype), shown=f"{model} ({dtype})")
 
@@ -345,7 +342,7 @@ class PrefixClassifier(PrefixEngine):
         for logs, (r, n, _), enc, done in zip(rows, raw, encoded, computed):
             if any(math.isnan(v) for v in logs):  # (log-softmax is never +inf; NaN is what breaks)
                 raise NonFiniteScoreError(f"the {'head' if self.mode == 'head' else 'model'} gave this row's labels "
-                                          f"scores that are not numbers ({r.float().tolist()[:4]}...)")
+                                          f"scores that are not numbers: {_what_is_not_finite(r)}")
             probs = [math.exp(v) for v in logs]
             best = max(range(len(names)), key=logs.__getitem__)
             out.append(Prediction(label=names[best], score=probs[best], scores=dict(zip(names, probs)),
@@ -386,3 +383,14 @@ def _disagreements(texts, cached: Sequence[Prediction], reference: Sequence[Pred
         if not math.isfinite(diff) or diff > atol or (c.label != f.label and margin > atol):
             bad.append(text)
     return bad, worst
+
+
+def _what_is_not_finite(raw: torch.Tensor) -> str:
+    """What made a row's ``[K]`` raw scores normalise to NaN, for its failed row."""
+    raw = raw.float()
+    bad = ~torch.isfinite(raw)
+    if bool(bad.any()):
+        nan = int(torch.isnan(raw).sum())
+        return f"{int(bad.sum())} of its {raw.numel()} raw scores are NaN or infinite ({nan} NaN)"
+    return (f"its {raw.numel()} raw scores are finite (largest magnitude {float(raw.abs().max()):.3g}) but "
+            f"normalising them gave NaN: a value past float32's range, from them or a head's n-gram part")

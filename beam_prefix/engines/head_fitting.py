@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from beam_prefix.model.early_exit import check_layers
 from beam_prefix.model.half_precision import precision_name
 from beam_prefix.tasks.lexical_head import ALPHAS, fit_lexical, out_of_fold, softmax_weights
 from beam_prefix.tasks.task import TaskSpec
@@ -57,6 +58,7 @@ def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers:
     if task.head is not None or task.calibration:  # features are read as a plain prompt's
         task = task.replace(scoring="auto", head=None, calibration=False)
     check_labels(task, labels)
+    check_layers(classifier.model.config, layers)  # before any features are computed
 
     def embedded(rows):
         encoded = [classifier.encode(t) for t in rows]  # once: the features and the n-grams read the same text

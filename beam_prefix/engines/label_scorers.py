@@ -34,6 +34,7 @@ from typing import ClassVar, NamedTuple, Sequence
 
 import torch
 
+from beam_prefix.model.early_exit import check_layers
 from beam_prefix.model.forward import CallState, Step, forward, seated
 from beam_prefix.engines.label_search import Search, node_step
 from beam_prefix.tasks.labels import LabelTrie
@@ -104,6 +105,7 @@ class LabelScorer:
                       pooling: str = "last", suffix_length: int | None = None) -> torch.Tensor:
         """The reference of `features` for one whole prompt, re-encoded with no cache:
         ``[H * len(layers)]`` (``mean`` pooling needs `suffix_length`)."""
+        layers = check_layers(model.config, layers)  # (an index past the depth would wrap around)
         with torch.inference_mode():
             states = model.base_model(input_ids=_ids(prompt_ids, self.device), use_cache=False,
                                       output_hidden_states=True).hidden_states

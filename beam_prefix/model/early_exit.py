@@ -25,20 +25,53 @@ from typing import Sequence
 
 from torch import nn
 
-__all__ = ["exit_depth", "shallow", "decoder_layers"]
+from beam_prefix.errors import TaskSpecError
+
+__all__ = ["check_layers", "exit_depth", "shallow", "decoder_layers"]
 
 _VIEWS: "weakref.WeakKeyDictionary[nn.Module, dict[int, nn.Module]]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
+def check_layers(config, layers: Sequence[int], *, what: str = "layers", model: str | None = None) -> tuple[int, ...]:
+    """`layers`, hidden-state indices of a model of ``L`` decoder layers (`config`), as
+    indices ``0..L`` (``0``: the token embeddings, ``i``: layer ``i``'s output, ``-1`` and
+    ``L``: the final normalised state). The one range check every path that reads hidden
+    states makes (features, heads, tuning, the forward's early exit): an index past the
+    model's depth would otherwise wrap around to another layer's states.
+
+    Raises:
+        TaskSpecError: an index outside ``-(L+1)..L``, or two that name the same state
+            (``-1`` and ``L``), naming `what` and the valid range.
+    """
+    hidden = config.get_text_config().num_hidden_layers + 1  # embeddings, then each layer
+    layers = tuple(layers)
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not -hidden <= i < hidden]
+    of = f" for model {model}" if model else ""
+    if bad:
+        raise TaskSpecError(f"{what} {list(layers)}: {bad} out of range{of}, whose hidden states are indices "
+                            f"-{hidden}..{hidden - 1} ({hidden - 1} layers)")
+    states = [i % hidden for i in layers]
+    twice = sorted({i for i in states if states.count(i) > 1})
+    if twice:
+        same = [i for i, s in zip(layers, states) if s in twice]
+        raise TaskSpecError(f"{what} {list(layers)}: {same} name the same hidden state{of} (of {hidden - 1} "
+                            f"layers); give each layer once")
+    return tuple(states)
+
+
 def exit_depth(config, layers: Sequence[int] | None) -> int | None:
     """The decoder layers a forward returning hidden-state indices `layers` must run
     (index ``i`` is the output of layer ``i``; ``-1`` and ``L`` are the final normalised
-    state), or None when it must run all ``L`` of them."""
+    state), or None when it must run all ``L`` of them.
+
+    Raises:
+        TaskSpecError: `layers` out of the model's range (`check_layers`).
+    """
     if layers is None:
         return None
     total = config.get_text_config().num_hidden_layers
-    deepest = max(i % (total + 1) for i in layers)
+    deepest = max(check_layers(config, layers))
     return None if deepest >= total else max(deepest, 1)  # layer 0's input is captured with its output
 
 
