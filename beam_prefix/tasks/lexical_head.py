@@ -30,7 +30,10 @@ __all__ = ["LexicalHead", "fit_lexical", "out_of_fold", "softmax_weights", "N_FE
 N_FEATURES = 2 ** 20
 WORD_NGRAMS, CHAR_NGRAMS = (1, 2), (2, 5)
 ALPHAS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0)  # the weights of the lexical evidence k-fold chooses from (benchmarks.layer_survey: never above 4)
-LEXICAL_C = 10.0  # the lexical regression's inverse regularisation (l2-normalised rows want a weak one)
+LEXICAL_C = 10.0
+# what a head file's n-gram part may hold (a loaded file is checked against them): a smoothed
+# idf is 1 + ln((1 + n) / (1 + df)), under 100 for any corpus; the folds' weights are ALPHAS
+MAX_IDF, MAX_BIAS, MAX_ALPHA = 100.0, 1e4, 100.0  # the lexical regression's inverse regularisation (l2-normalised rows want a weak one)
 
 
 def _vectorizers():
@@ -87,8 +90,16 @@ class LexicalHead:
         for t in (self.word_columns, self.char_columns):
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= N_FEATURES):
                 raise TaskSpecError(f"{where}: lexical columns outside 0..{N_FEATURES - 1}")
-        if not (self.alpha > 0 and np.isfinite(self.alpha)):
-            raise TaskSpecError(f"{where}: lexical alpha must be a positive number, got {alpha!r}")
+        # finite is not enough: a huge idf or weight overflows the features' float32 products
+        for name, t, top in (("lexical_word_idf", self.word_idf, MAX_IDF), ("lexical_char_idf", self.char_idf, MAX_IDF),
+                             ("lexical_bias", self.bias, MAX_BIAS)):
+            low = 0.0 if top == MAX_IDF else -top
+            if t.numel() and (float(t.min()) < low or float(t.max()) > top):
+                raise TaskSpecError(f"{where} is damaged: {name} holds values outside {low:g}..{top:g} (from "
+                                    f"{float(t.min()):.3g} to {float(t.max()):.3g}); fit the head again")
+        if not (0 < self.alpha <= MAX_ALPHA):
+            raise TaskSpecError(f"{where} is damaged: lexical alpha must be in (0, {MAX_ALPHA:g}], got {alpha!r}; "
+                                f"fit the head again")
 
     @property
     def labels(self) -> int:

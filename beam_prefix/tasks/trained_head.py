@@ -254,9 +254,13 @@ class TrainedHead:
             if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
                 raise TaskSpecError(f"head file {path!r} is damaged: lexical_alpha {alpha!r} is not a number")
             lexical = LexicalHead.from_tensors(tensors, alpha, where=f"head file {path!r}")
+        hashes = tensors["train_hashes"]
+        if hashes.dtype != torch.int64 or hashes.dim() != 1:  # (float64 rounds 63-bit hashes: rows not recognised)
+            raise TaskSpecError(f"head file {path!r} is damaged: train_hashes must be a 1-D int64 tensor, got a "
+                                f"{hashes.dim()}-D {str(hashes.dtype).removeprefix('torch.')} one")
         return cls(labels=meta["labels"], layers=meta["layers"], weight=tensors["weight"], bias=tensors["bias"],
                    mean=tensors["mean"], std=tensors["std"], fingerprint=meta["fingerprint"],
-                   train_hashes=tensors["train_hashes"].tolist(), metrics=meta.get("metrics"), source=path,
+                   train_hashes=hashes.tolist(), metrics=meta.get("metrics"), source=path,
                    pooling=meta.get("pooling", "last"), lexical=lexical)
 
 
