@@ -40,7 +40,7 @@ from beam_prefix.tasks.prompt_render import (added_token_strings, chat_terminato
                                       last_special_end, render_chat, render_plain)
 from beam_prefix.tasks.task import PromptTask
 
-__all__ = ["PromptLayout", "EncodedText", "PROBE_TEXTS"]
+__all__ = ["PromptLayout", "EncodedText", "PROBE_TEXTS", "clean_text"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class PromptLayout:
                 across the prefix boundary.
             TextTooLongError: over budget and the task's overflow policy is `reject`.
         """
-        text = _clean_text(text)
+        text = clean_text(text)
         budget = self.task.max_text_tokens
         text_ids = self._encode_plain(text)
         n_text = len(text_ids)
@@ -311,7 +311,9 @@ def _tokenize(tokenizer, text: str, **kwargs):
         return tokenizer(text, **kwargs)
 
 
-def _clean_text(text) -> str:
+def clean_text(text) -> str:
+    """A row's text as the engine reads it (stripped), or the `RowError` its failed row
+    carries: bytes that are not UTF-8, null, not a string, invalid Unicode, empty."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")

@@ -276,8 +276,8 @@ class TaskSpec(PromptTask):
         """Build a task from a parsed mapping (the YAML document); a relative `head` path is
         read from `base_dir` (the task file's directory)."""
         if isinstance(data, Mapping) and isinstance(data.get("head"), str) and base_dir \
-                and not os.path.isabs(data["head"]) and "://" not in data["head"]:  # (gs://: as written)
-            data = {**data, "head": os.path.join(base_dir, data["head"])}
+                and "://" not in data["head"]:  # (gs://: as written)
+            data = {**data, "head": confined_head(data["head"], base_dir, source)}
         if isinstance(data, Mapping) and data.get("kind", cls.kind) != cls.kind:
             raise TaskSpecError(f"{source}: kind {_short(data.get('kind'))} is not a classification task; "
                                 f"read it with beam_prefix.load_task")
@@ -294,6 +294,23 @@ class TaskSpec(PromptTask):
         if spec.name == "task":
             spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
         return spec
+
+
+def confined_head(head: str, base_dir: str, source: str) -> str:
+    """A task file's local `head` path, read relative to the task file's directory
+    `base_dir` and confined to it (or a folder below it), symbolic links resolved: a task
+    file names its own head, never ``../../etc/passwd``.
+
+    Raises:
+        TaskSpecError: a head outside the task file's directory, naming both.
+    """
+    path = os.path.join(base_dir, head)  # (an absolute head stays as given)
+    root = os.path.realpath(base_dir)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise TaskSpecError(f"{source}: head: {head!r} is outside the task file's directory {base_dir!r}; a task "
+                            f"file's head lies beside it (or in a folder below it), or on gs://")
+    return path
 
 
 def validate_common(spec) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import re
+
 import yaml
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["read_task_file", "nesting_depth", "MAX_TASK_FILE_BYTES", "MAX_TASK_DEPTH"]
+__all__ = ["read_task_file", "nesting_depth", "file_name_of", "MAX_TASK_FILE_BYTES", "MAX_TASK_DEPTH"]
 
 MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
 MAX_TASK_DEPTH = 32  # a task file nests 4 levels (fields -> a field -> values -> a value); YAML allows thousands
@@ -40,6 +42,22 @@ def read_task_file(path: str) -> Any:
     if nesting_depth(data, MAX_TASK_DEPTH) > MAX_TASK_DEPTH:  # later checks (and their messages) recurse too
         raise TaskSpecError(f"task file {path!r} is nested too deeply (at most {MAX_TASK_DEPTH} levels)")
     return data
+
+
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def file_name_of(name: str, what: str = "task name") -> str:
+    """`name` (a task's name) where it becomes a file name (a tuned directory's
+    ``<name>.head``): letters, digits, ``.``, ``_`` and ``-``, at most 100, never a path.
+
+    Raises:
+        TaskSpecError: naming the name and what it may hold.
+    """
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name:
+        raise TaskSpecError(f"{what} {name!r} is not a file name (it names this run's files): use letters, digits, "
+                            f"'.', '_' and '-' (at most 100, starting with a letter or digit, no '..')")
+    return name
 
 
 def nesting_depth(data: Any, limit: int) -> int:
