@@ -32,6 +32,7 @@ folds chose (`base_lexical_alpha`), for `fit_head(lexical_alpha=...)`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -43,7 +44,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from beam_prefix.model.tuning_record import LABELS_PER_BATCH, TUNING_FILE, TuningRecord
+from beam_prefix.errors import TaskSpecError
+from beam_prefix.model.tuning_record import LABELS_PER_BATCH, TUNING_FILE, TuningRecord, weights_digest
 
 __all__ = ["tune_model", "check_settings", "contrastive_loss", "label_batches", "train_features", "tuned_modules"]
 
@@ -109,10 +111,13 @@ def tuned_modules(model, layers: Sequence[int]) -> tuple[list[torch.nn.Module], 
     layers they hold: the decoder layers up to the deepest one read; when the final
     normalised state is read, every decoder layer and the base model's other modules with
     weights (its final norm), never the embeddings."""
-    from beam_prefix.model.early_exit import decoder_layers, exit_depth
+    from beam_prefix.model.early_exit import check_layers, decoder_layers, exit_depth
 
     base = model.base_model
     decoder = list(decoder_layers(base))
+    if max(check_layers(model.config, layers)) == 0:
+        raise TaskSpecError(f"layers {list(layers)}: hidden state 0 is the token embeddings, which no decoder "
+                            f"layer computes: nothing to tune (read a layer of 1 or more)")
     depth = exit_depth(model.config, layers)
     if depth is not None:
         return decoder[:depth], depth
@@ -209,12 +214,12 @@ def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir:
                           base_lexical_alpha=base_lexical_alpha,
                           created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                           tune_s=round(time.perf_counter() - start, 1))
-    _write(loaded, record, output_dir)
-    return record
+    return _write(loaded, record, output_dir)
 
 
-def _write(loaded, record: TuningRecord, output_dir: str) -> None:
-    """The model, tokenizer and record into a sibling directory, then renamed into place."""
+def _write(loaded, record: TuningRecord, output_dir: str) -> TuningRecord:
+    """The model, tokenizer and record (with the digest of the weights as saved) into a
+    sibling directory, then renamed into place; the record written."""
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     partial = os.path.join(parent, f".{os.path.basename(os.path.abspath(output_dir))}.partial-{os.getpid()}")
@@ -222,6 +227,7 @@ def _write(loaded, record: TuningRecord, output_dir: str) -> None:
     try:
         loaded.model.save_pretrained(partial)
         loaded.tokenizer.save_pretrained(partial)
+        record = dataclasses.replace(record, weights_digest=weights_digest(partial))
         with open(os.path.join(partial, TUNING_FILE), "w", encoding="utf-8") as f:
             f.write(record.to_json())
         if os.path.isdir(output_dir):
@@ -230,3 +236,4 @@ def _write(loaded, record: TuningRecord, output_dir: str) -> None:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    return record

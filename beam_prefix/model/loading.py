@@ -33,9 +33,9 @@ import torch
 
 from beam_prefix.errors import ModelLoadError
 from beam_prefix.model.half_precision import HALF_DTYPES, half_linears, linears_precision
-from beam_prefix.model.tuning_record import read_record
+from beam_prefix.model.tuning_record import check_weights, read_record
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "check_device", "resolve_device", "DEVICES", "EMBEDDED", "embedded_gguf_path", "set_torch_threads"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "check_device", "resolve_device", "DEVICES", "EMBEDDED", "embedded_gguf_path", "embedded_cache_directory", "set_torch_threads"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -153,16 +153,20 @@ def model_id(spec: str) -> str:
     if spec.endswith(".gguf"):
         return spec
     if "://" in spec:
-        try:
-            return _directory_id(_copy_remote(spec, small_only=True), spec)
+        try:  # (the weights are not copied here: loading checks them against the record)
+            return _directory_id(_copy_remote(spec, small_only=True), spec, weights=False)
         except ModelLoadError:  # unreadable: loading it says why
             return spec
     return _directory_id(spec, spec)
 
 
-def _directory_id(path: str, spec: str) -> str:
+def _directory_id(path: str, spec: str, *, weights: bool = True) -> str:
+    """`spec`'s id from the directory at `path`: its tuning record's, whose weight files
+    (`weights`: at hand) must be the ones the record was written with."""
     try:
         record = read_record(path) if os.path.isdir(path) else None
+        if record is not None and weights:
+            check_weights(path, record)
     except ValueError as e:
         raise ModelLoadError(f"model {spec!r}: {e}") from None
     return spec if record is None else record.id
@@ -304,10 +308,15 @@ def _from_gguf(path: str, model_id: str) -> LoadedModel:
     return LoadedModel(model, tokenizer, model_id)
 
 
+def embedded_cache_directory() -> str:
+    """Where the embedded model's safetensors are (or will be, once converted)."""
+    return os.path.join(cache_root(), f"embedded-smollm2-135m-instruct-q4_1-{_CACHE_VERSION}")
+
+
 def _embedded_directory() -> str:
     """The embedded model as safetensors, converting the GGUF on first use."""
     gguf = embedded_gguf_path()
-    target = os.path.join(cache_root(), f"embedded-smollm2-135m-instruct-q4_1-{_CACHE_VERSION}")
+    target = embedded_cache_directory()
     if os.path.exists(os.path.join(target, "model.safetensors")):
         return target
     _LOGGER.info("converting the embedded GGUF model to safetensors in %s (once)", target)

@@ -2,18 +2,25 @@
 
 A model directory tuned by `beam_prefix.engines.model_tuning` holds, beside its weights and
 tokenizer, `TUNING_FILE`: the base model, the task and rows it was tuned on, the settings,
-and the n-gram weight the base model's folds chose. Its `id` is the directory's model id
-(`loading.model_id`), so a head's fingerprint names the tuning, not the path.
+the n-gram weight the base model's folds chose, and a digest of its weight files. Its `id`
+is the directory's model id (`loading.model_id`), so a head's fingerprint names the
+tuning, not the path, and covers the weights: `check_weights` (called wherever the id is
+read with the weights at hand) refuses a directory whose weight files are not the ones
+the record was written with. The digest is a full SHA-256 of every ``*.safetensors``
+file (about 0.35 s for the embedded model's 540 MB), computed once per file version in a
+process (keyed by path, size and modification time).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
+import threading
 
-__all__ = ["TUNING_FILE", "LABELS_PER_BATCH", "TuningRecord", "read_record"]
+__all__ = ["TUNING_FILE", "LABELS_PER_BATCH", "TuningRecord", "read_record", "weights_digest", "check_weights"]
 
 TUNING_FILE = "beam_prefix_tuning.json"
 # labels in a tuning batch by default, and the value of every record written before the
@@ -39,6 +46,7 @@ class TuningRecord:
         base_lexical_alpha: the n-gram weight the base model's folds chose for these rows
             (None: not measured).
         created: when (UTC, ISO 8601); it makes each tuning's id its own.
+        weights_digest: `weights_digest` of the directory's weight files as written.
     """
 
     base_model: str
@@ -58,12 +66,15 @@ class TuningRecord:
     created: str
     tune_s: float = 0.0
     labels_per_batch: int = LABELS_PER_BATCH
+    weights_digest: str | None = None  # (None: a record written before digests, not checked)
 
     @property
     def id(self) -> str:
         """The model id of the tuned directory: the base model's and a digest of this record."""
         data = dataclasses.asdict(self)
         data.pop("tune_s")
+        if data["weights_digest"] is None:  # records from before the digest: their ids stay
+            data.pop("weights_digest")
         if data["labels_per_batch"] == LABELS_PER_BATCH:  # the only value before the setting: those ids stay
             data.pop("labels_per_batch")
         digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()[:16]
@@ -90,3 +101,44 @@ def read_record(directory: str) -> TuningRecord | None:
         return None
     with open(path, encoding="utf-8") as f:
         return TuningRecord.from_json(f.read(), path)
+
+
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns, inode) -> the file's SHA-256
+_DIGESTS_LOCK = threading.Lock()
+
+
+def _file_digest(path: str) -> str:
+    info = os.stat(path)
+    key = (os.path.realpath(path), info.st_size, info.st_mtime_ns, info.st_ino)
+    with _DIGESTS_LOCK:
+        if key in _DIGESTS:
+            return _DIGESTS[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    with _DIGESTS_LOCK:
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+def weights_digest(directory: str) -> str:
+    """A digest of the weight files (``*.safetensors``, by name) of a local model directory."""
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors"))):
+        h.update(f"{os.path.basename(path)}\0{_file_digest(path)}\0".encode("utf-8"))
+    return h.hexdigest()[:32]
+
+
+def check_weights(directory: str, record: TuningRecord) -> None:
+    """Refuse a tuned directory whose weight files are not those its record was written with.
+
+    Raises:
+        ValueError: naming the directory.
+    """
+    if record.weights_digest is None:
+        return
+    if weights_digest(directory) != record.weights_digest:
+        raise ValueError(f"{directory}: its weight files are not the ones its tuning record ({TUNING_FILE}) was "
+                         f"written with (replaced or changed since the tuning): its model id, and every head fit "
+                         f"on it, no longer describe it; tune again, or restore the weights")
