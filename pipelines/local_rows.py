@@ -16,12 +16,18 @@ from typing import Sequence
 
 import pyarrow.parquet as pq
 
+from pipelines.paths import regular_files
+
 __all__ = ["local_paths", "local_columns"]
 
 
-def local_paths(pattern: str) -> list[str]:
-    """The local files `pattern` matches, sorted (none for a ``scheme://`` pattern)."""
-    return sorted(glob.glob(pattern)) if "://" not in pattern else []
+def local_paths(pattern: str, flag: str = "--input") -> list[str]:
+    """The local files `pattern` matches, sorted (none for a ``scheme://`` pattern).
+
+    Raises:
+        ValueError: a match that is not a regular file (`paths.regular_files`).
+    """
+    return regular_files(sorted(glob.glob(pattern)), flag) if "://" not in pattern else []
 
 
 def local_columns(paths: Sequence[str], fmt: str, columns: Sequence[str]) -> list[tuple | None]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 
 from apache_beam.io.filesystems import FileSystems
 
-__all__ = ["is_local", "split", "join", "matches"]
+__all__ = ["is_local", "split", "join", "matches", "regular_files"]
 
 
 def is_local(path: str) -> bool:
@@ -35,3 +36,25 @@ def matches(pattern: str) -> list[str]:
         return [m.path for m in FileSystems.match([pattern])[0].metadata_list]
     except Exception:  # noqa: BLE001 - nothing there
         return []
+
+
+def regular_files(paths: list[str], flag: str) -> list[str]:
+    """`paths` (what an input flag matched), refused unless each local one is a regular file
+    (symbolic links followed): reading a FIFO hangs, and a device such as /dev/zero never ends.
+
+    Raises:
+        ValueError: naming the flag and the first path that is not a regular file.
+    """
+    for path in paths:
+        if not is_local(path):
+            continue
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as e:
+            raise ValueError(f"{flag}: {path} cannot be read ({e.strerror or e})") from None
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                    "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "not a regular file")
+            raise ValueError(f"{flag}: {path} is {kind}; an input is a regular file (or a glob of them)")
+    return paths

@@ -28,6 +28,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 from beam_prefix.beam.classify_dofn import FAILED_TAG, failed_record
 from beam_prefix.tasks.task_file import nesting_depth
 from pipelines.options import SAMPLE_TICKETS, StepOptions
+from pipelines.paths import regular_files
 
 __all__ = ["read_rows", "input_schema", "known_columns", "require_columns", "input_format", "describe_input",
            "failed_record", "SAMPLED_LINES"]
@@ -296,33 +297,47 @@ def _matches(pattern: str) -> list[str]:
         raise ValueError(f"--input={pattern!r} cannot be listed: {e}") from e
     if not matches:
         raise ValueError(f"--input={pattern!r} matches no file")
-    return sorted(m.path for m in matches)
+    return regular_files(sorted(m.path for m in matches), "--input")
 
 
 def _csv_headers(pattern: str) -> list[str] | None:
     """The header of the first CSV file that has one, after checking that every matched
-    file's header is UTF-8; None when every file is empty."""
+    file's header is UTF-8 and names each column once; None when every file is empty."""
     first = None
     for path in _matches(pattern):
         with FileSystems.open(path) as f:
-            header = _csv_header(f)
+            header = _csv_header(f, path)
         if header and _has_surrogates(header):
             bad = next(h for h in header if _has_surrogates([h]))
             raise ValueError(f"--input: {path} line 1 (the CSV header) has bytes that are not UTF-8, in column "
                              f"{_readable([bad])[0]!r}; re-encode the file as UTF-8")
+        twice = sorted({h for h in header if header.count(h) > 1})
+        if twice:  # a row's dict would keep only the last column of the name
+            raise ValueError(f"--input: {path}: the CSV header names column(s) {_readable(twice)} more than once; "
+                             f"give each column its own name")
         if header and first is None:
             first = header
     return first
 
 
-def _csv_header(f) -> list[str]:
-    text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
+# a CSV header is read at launch from at most this many bytes (a file with no line break,
+# e.g. a device, would otherwise be read without end)
+MAX_HEADER_BYTES = 1 << 20
+
+
+def _csv_header(f, path: str) -> list[str]:
+    raw = f.read(MAX_HEADER_BYTES + 1)
+    text = raw.decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
+    lines = text.splitlines(keepends=True)
+    if len(raw) > MAX_HEADER_BYTES and not any(line.strip("\r\n") for line in lines[:-1]):
+        raise ValueError(f"--input: {path}: no CSV header line within its first {MAX_HEADER_BYTES:,} bytes")
     try:
-        header = next((fields for fields in csv.reader(text) if fields), [])
+        return next((fields for fields in csv.reader(io.StringIO(text, newline="")) if fields), [])
     except csv.Error:
-        header = []
-    text.detach()
-    return header
+        return []
+
+
+MAX_SAMPLED_BYTES = 64 << 20  # what the JSONL key sample reads at most, all files together
 
 
 def _jsonl_keys(pattern: str, limit: int) -> tuple[list[str], int]:
@@ -330,11 +345,12 @@ def _jsonl_keys(pattern: str, limit: int) -> tuple[list[str], int]:
     first-seen order, and how many lines were read (lines that do not parse are skipped:
     they fail as rows)."""
     keys: dict[str, None] = {}
-    lines = 0
+    lines, budget = 0, MAX_SAMPLED_BYTES
     for path in _matches(pattern):
         with FileSystems.open(path) as f:
-            for raw in f:
-                if lines >= limit:
+            while raw := f.readline(budget):  # (bounded: a file with no line break is not read to its end)
+                budget -= len(raw)
+                if lines >= limit or budget <= 0:
                     return list(keys), lines
                 if not raw.strip():
                     continue
