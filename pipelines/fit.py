@@ -21,6 +21,7 @@ or input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -43,7 +44,7 @@ from pipelines.summary import write_json
 from pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_unknown_flags, task_path,
                                task_without_head)
 from pipelines.publish import Output
-from pipelines.reads import input_reads, refuse_overlap, task_reads
+from pipelines.launch_checks import hold_outputs, refuse_collisions, refuse_overlap, run_reads
 from pipelines.sources import input_format, read_rows, require_columns, input_schema
 
 __all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
@@ -129,12 +130,19 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     layers = parse_layers(f.layers)
     task_file = task_path(o.task or "support_tickets")
     # the head this run writes may replace the one the task names (not read here), never
-    # the input or the task file
+    # the input, the task file or the model
     outputs = [Output("--output", o.output)] + ([Output("--summary_output", o.summary_output)]
                                                 if o.summary_output else [])
-    refuse_overlap(outputs, input_reads(options) + task_reads(task_file, with_head=False))
-    if o.summary_output and o.summary_output == o.output:
-        raise ValueError("--summary_output and --output are the same path: the summary would replace the head")
+    refuse_collisions(outputs)
+    refuse_overlap(outputs, run_reads(options, "fit", task_file=task_file, with_head=False))
+    with contextlib.ExitStack() as held:
+        hold_outputs(held, outputs)  # another fit of the same head would replace this one's
+        return _fit(options, task_file, layers, test_pipeline)
+
+
+def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...], test_pipeline) -> dict:
+    """The fit itself, once the flags and outputs are checked and locked."""
+    o, f = options.view_as(StepOptions), options.view_as(FitOptions)
     task = task_without_head(task_file)
     if o.bigquery_endpoint:
         bigquery_endpoint.install(bigquery_endpoint.Endpoint(rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
@@ -174,6 +182,10 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         run_to_end(p)  # a job the runner ended unfinished leaves partial features: no head from them
         features_s = time.perf_counter() - start
         table, n_failed = staging.read()
+        # in one order whatever order the workers delivered the rows in: the folds that
+        # choose the head's regularisation split rows by position, so the head is the same
+        # on every runner and run
+        table = table.sort_by([("hash", "ascending"), ("text", "ascending"), ("label", "ascending")])
         labels = table.column("label").to_pylist()
         check_labels(task, labels)  # again: what the run actually read (BigQuery, remote files, failed rows)
         features = np.asarray(table.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -58,10 +59,12 @@ class FeatureStaging:
         remove what an earlier fit of the same head that was killed left behind."""
         if is_local(self.directory):
             os.makedirs(self.directory, exist_ok=True)
-            stale = [os.path.join(self.directory, n) for n in os.listdir(self.directory) if n.startswith(self._prefix)]
+            stale = [os.path.join(self.directory, n) for n in os.listdir(self.directory)]
         else:
             stale = sorted({self._folder_of(p) for p in matches(join(self.directory, self._prefix + "*"))})
-        for folder in stale:
+        # (exactly this head's: a fit of head "a" never removes the staging of a fit of "a-b")
+        ours = re.compile(re.escape(self._prefix) + r"\d{8}-\d{6}-[0-9a-f]{8}")
+        for folder in [f for f in stale if ours.fullmatch(split(f)[1]) and f != self.path]:
             _LOGGER.info("removing %s, left by an earlier fit of %s that did not finish", folder, self.name)
             self._delete(folder)
 

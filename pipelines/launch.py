@@ -10,9 +10,11 @@ none; `explain` turns a runner error into one line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,16 +26,16 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 from beam_prefix.beam.classify_dofn import FAILED_TAG
 from beam_prefix.errors import ModelLoadError
 from pipelines import bigquery_endpoint
-from pipelines.options import DEFAULT_TASKS, ClassifyOptions, StepOptions, refuse_unknown_flags, task_path, validate
-from pipelines.publish import Output, OutputLocationError, Staging
-from pipelines.reads import Read, input_reads, refuse_overlap, task_reads
+from pipelines.options import ClassifyOptions, StepOptions, refuse_unknown_flags, validate
+from pipelines.publish import Output, Staging
+from pipelines.launch_checks import hold_outputs, refuse_overlap, refuse_table_overlap, run_reads
 from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
 from pipelines.sources import read_rows
 from pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
                                write_json)
 from pipelines.worker_watch import WorkerWatch
 
-__all__ = ["Plan", "build", "run_reads", "read_run_write", "run", "main", "in_process_main", "explain", "RunFailed",
+__all__ = ["Plan", "build", "read_run_write", "run", "main", "in_process_main", "explain", "RunFailed",
            "run_to_end", "exit_process"]
 
 _LOGGER = logging.getLogger("pipelines")
@@ -101,8 +103,10 @@ def _prepare(options: PipelineOptions) -> None:
 
 
 def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, default_output: str,
-          failed_name: str = "failed", validate_more=None, kind: str = "classify") -> Plan:
-    """Check the flags, stage the outputs, and let `compose` add the pipeline's graph to `p`."""
+          failed_name: str = "failed", validate_more=None, kind: str = "classify",
+          held: contextlib.ExitStack) -> Plan:
+    """Check the flags, lock and stage the outputs (the locks held until `held` closes), and
+    let `compose` add the pipeline's graph to `p`."""
     _prepare(options)
     if validate_more is not None:
         validate_more(options)
@@ -110,30 +114,15 @@ def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, defau
     staging, summary_path = _stage(options, labeled_to, failed_to, confusion=kind == "classify")
     staging.check()  # two outputs whose files collide would silently replace or mix rows
     refuse_overlap(staging.outputs, run_reads(options, kind))  # nor may one replace what the run reads
-    _refuse_table_overlap(options)
+    refuse_table_overlap(options)
+    hold_outputs(held, staging.outputs)  # nor may another run write them at the same time
+    staging.remove_stale()  # what an earlier run into these outputs left when it was killed
     staging.preflight()  # before anything loads: an unwritable output fails in one line
     try:
         return compose(p, options, labeled_to, failed_to, staging, summary_path)
     except BaseException:
         staging.discard()
         raise
-
-
-def run_reads(options: PipelineOptions, kind: str) -> list[Read]:
-    """Every file a classify or extract run reads: its input, its task file(s) and heads."""
-    o, c = options.view_as(StepOptions), options.view_as(ClassifyOptions)
-    reads = input_reads(options)
-    if kind == "classify" and c.task_dir:
-        return reads + task_reads(None, task_dir=c.task_dir)
-    return reads + task_reads(task_path(o.task or DEFAULT_TASKS[kind]))
-
-
-def _refuse_table_overlap(options: PipelineOptions) -> None:
-    o = options.view_as(StepOptions)
-    for flag in ("output_table", "failed_output_table"):
-        if o.input_table and getattr(o, flag) and getattr(o, flag) == o.input_table:
-            raise OutputLocationError(f"--{flag}={o.input_table} is the --input_table this run reads; a run never "
-                                      f"writes what it reads: choose another table")
 
 
 def read_run_write(p, options: PipelineOptions, step, *, step_name: str, main: str, kept, out_schema, typed: bool,
@@ -191,10 +180,18 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
     options = PipelineOptions(argv)
     validate(options)  # before the runner is built: a runner that cannot run this is refused by name
     p = test_pipeline or beam.Pipeline(options=options)
-    plan = build(p, options, compose, default_output=default_output, failed_name=failed_name,
-                 validate_more=validate_more, kind=kind)
-    if on_plan is not None:
-        on_plan(plan)
+    with contextlib.ExitStack() as held:  # the outputs' locks, until the run has published or failed
+        plan = build(p, options, compose, default_output=default_output, failed_name=failed_name,
+                     validate_more=validate_more, kind=kind, held=held)
+        if on_plan is not None:
+            on_plan(plan)
+        summary = _run_and_publish(p, plan)
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def _run_and_publish(p: beam.Pipeline, plan: Plan) -> dict:
+    """Run the built pipeline, write its summary and publish its outputs (all or nothing)."""
     _LOGGER.info("running on %s (each worker loads the model, builds the prefix cache once and "
                  "self-checks it against full re-encoding)", type(p.runner).__name__)
     try:
@@ -215,7 +212,6 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
     except BaseException:
         plan.staging.discard()  # a failed run publishes nothing and leaves no temporary files
         raise
-    print(format_summary(summary), flush=True)
     return summary
 
 
@@ -294,42 +290,88 @@ def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOp
     for name in ("beam_prefix", "pipelines"):  # progress lines, not Beam's own chatter
         logging.getLogger(name).setLevel(logging.INFO)
     plan: list[Plan] = []
+    stop = StopSignal()
     try:
-        summary = run_fn(argv, on_plan=plan.append)
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was published", file=sys.stderr, flush=True)
-        return 130
-    except (ValueError, OSError, ModelLoadError) as e:
+        with stop_on_sigterm(stop):
+            summary = run_fn(argv, on_plan=plan.append)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) or stop.received:  # (a runner may wrap it in its own error)
+            return _interrupted(stop.received, "nothing was published")
+        return _failed(e, plan)
+    return 0 if summary["accounted_for"] else 1
+
+
+def _failed(e: BaseException, plan: list[Plan]) -> int:
+    """The one line and exit status of a run that raised (2: at launch, 1: while running)."""
+    if not isinstance(e, Exception):
+        raise e
+    if isinstance(e, (ValueError, OSError, ModelLoadError)):
         if plan:  # found while running: a runner error, not a launch-time check
             _LOGGER.error("the runner's error:\n%s", e)
             print(explain(e, plan[0].outputs), file=sys.stderr, flush=True)
             return 1
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    except Exception as e:  # noqa: BLE001 - any runner error ends in one line, the detail in the log
-        _LOGGER.error("the runner's error:\n%s", e)
-        print(explain(e, plan[0].outputs if plan else None), file=sys.stderr, flush=True)
-        return 1
-    return 0 if summary["accounted_for"] else 1
+    # any runner error ends in one line, the detail in the log
+    _LOGGER.error("the runner's error:\n%s", e)
+    print(explain(e, plan[0].outputs if plan else None), file=sys.stderr, flush=True)
+    return 1
 
 
-def exit_process(status: int, *, wait_s: float = 5.0) -> None:
-    """End a pipeline's process with `status` (its ``__main__``). After a failed run, a
-    runner thread still waiting for a lost worker (`pipelines.worker_watch`) would keep the
-    interpreter from exiting: the other threads get `wait_s` seconds to end, then the
-    process ends without them (its outputs were discarded before `main` returned)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so that a run
+    stopped by `kill` or a scheduler unwinds the same way: staging discarded, locks released."""
+
+
+@dataclasses.dataclass
+class StopSignal:
+    """Whether SIGTERM arrived (a runner running a bundle in the main thread may report the
+    `Terminated` raised there as an error of its own)."""
+
+    received: bool = False
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(stop: StopSignal):
+    """While the block runs, SIGTERM sets `stop.received` and raises `Terminated` in the main
+    thread (the previous handler is restored after; off the main thread, nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        stop.received = True
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(terminated: bool, what: str) -> int:
+    """The one line and exit status of a run stopped by Ctrl-C (130) or SIGTERM (143)."""
+    print(f"error: {'terminated (SIGTERM)' if terminated else 'interrupted'}; {what}", file=sys.stderr, flush=True)
+    return 143 if terminated else 130
+
+
+def exit_process(status: int) -> None:
+    """End a pipeline's process with `status` (its ``__main__``).
+
+    A run that ended in an error (any status but 0) ends the process at once, without the
+    interpreter's finalization: its outputs were discarded and its locks released before
+    `main` returned, and finalization would only tear down library state while library
+    threads may still run (a runner thread still waiting for a lost worker,
+    `pipelines.worker_watch`, would keep the interpreter from exiting at all; a native
+    thread pool destroyed under a running thread aborts the process with "terminate called
+    without an active exception", exit 134, instead of the status the run chose)."""
     if status == 0:
         sys.exit(status)
     sys.stdout.flush()
     sys.stderr.flush()
-    deadline = time.monotonic() + wait_s
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
-        logging.shutdown()
-        os._exit(status)
-    sys.exit(status)
+    logging.shutdown()
+    os._exit(status)
 
 
 def in_process_main(argv: list[str] | None, run_fn, report, *, logger: logging.Logger) -> int:
@@ -339,12 +381,18 @@ def in_process_main(argv: list[str] | None, run_fn, report, *, logger: logging.L
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for name in ("beam_prefix", "pipelines"):
         logging.getLogger(name).setLevel(logging.INFO)
+    stop = StopSignal()
     try:
-        summary = run_fn(argv)
+        with stop_on_sigterm(stop):
+            summary = run_fn(argv)
+    except KeyboardInterrupt:
+        return _interrupted(stop.received, "nothing was written")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:  # noqa: BLE001 - one line, the detail in the log
+        if stop.received:  # (raised inside a runner, which wrapped it in its own error)
+            return _interrupted(True, "nothing was written")
         logger.error("the run's error:\n%s", e)
         print(explain(e), file=sys.stderr, flush=True)
         return 1

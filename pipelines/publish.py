@@ -17,7 +17,12 @@ staging directory beside its final location, and:
   aside. If a rename fails, everything already moved is moved back (the earlier files
   restored); if even that fails, the error names exactly which files are final;
 - `Staging.discard` removes the staging directories (Beam's ``beam-temp-*`` too) when
-  anything failed.
+  anything failed;
+- `Staging.remove_stale` (at launch, with the outputs' locks held: `pipelines.output_lock`)
+  removes the staging directories an earlier run into the same outputs left when it was
+  killed outright. A staging directory is named after one of its run's outputs
+  (``.beam-prefix-staging-<output name>-<run>``), so a run removes only what a run into
+  its own, locked, outputs left.
 
 BigQuery tables are not staged: see the README's failure-behaviour section.
 """
@@ -45,6 +50,7 @@ STAGING_PREFIX = ".beam-prefix-staging-"
 _REPLACED = ".replaced"  # inside a staging directory: files a publish moved aside
 # Beam's default shard name template (-SSSSS-of-NNNNN): 5 digits, more past 99,999 shards
 SHARD_TEMPLATE = r"-\d{5,}-of-\d{5,}"
+_RUN = r"\d{8}-\d{6}-[0-9a-f]{8}"  # a staging directory's run part: time and a random tag
 
 
 class OutputLocationError(ValueError):
@@ -123,8 +129,8 @@ class Staging:
         self.outputs = list(outputs)
         self._keep = False
         self._dirs: dict[str, str] = {}  # final directory -> its staging directory
-        for output in self.outputs:
-            self._dirs.setdefault(output.directory, _join(output.directory, STAGING_PREFIX + run))
+        for output in self.outputs:  # (named after the directory's first output: `remove_stale`)
+            self._dirs.setdefault(output.directory, _join(output.directory, f"{STAGING_PREFIX}{output.name}-{run}"))
 
     def path(self, final: str) -> str:
         """Where a file (or a sink's prefix) that belongs at `final` is written during the run."""
@@ -149,6 +155,23 @@ class Staging:
         for output in self.outputs:
             if output.suffix is None and _local(output.path) and os.path.isdir(output.path):
                 raise OutputLocationError(f"{output.flag}={output.path} is a directory; give a file path")
+
+    def remove_stale(self) -> list[str]:
+        """Remove the staging directories of earlier runs into these outputs that were
+        killed before they could (call with the outputs' locks held); returns them."""
+        removed = []
+        for final_dir, own in self._dirs.items():
+            names = [re.escape(o.name) for o in self.outputs if _same_dir(o.directory, final_dir)]
+            stale = re.compile(re.escape(STAGING_PREFIX) + f"({'|'.join(names)})-{_RUN}")
+            for entry in _entries(final_dir, STAGING_PREFIX + "*"):
+                if entry != own and stale.fullmatch(_split(entry)[1]):
+                    _LOGGER.info("removing %s, left by an earlier run into the same output that was killed", entry)
+                    try:
+                        FileSystems.delete([entry])
+                        removed.append(entry)
+                    except Exception as e:  # noqa: BLE001 - litter, not this run's concern
+                        _LOGGER.warning("could not remove %s: %s", entry, e)
+        return removed
 
     def preflight(self) -> None:
         """Create each local staging directory and write a probe file there.
@@ -275,3 +298,20 @@ def _list(directory: str, pattern: str = "*") -> list[str]:
         return []
     return [m.path for m in metadata if not _split(m.path)[1].startswith("beam-temp")
             and not (_local(m.path) and os.path.isdir(m.path))]
+
+
+def _entries(directory: str, pattern: str) -> list[str]:
+    """The names directly in `directory` matching `pattern` (files and folders; on an object
+    store, the folders that objects under the pattern imply)."""
+    if _local(directory):
+        try:
+            return [os.path.join(directory, n) for n in os.listdir(directory) if fnmatch.fnmatchcase(n, pattern)]
+        except OSError:
+            return []
+    try:
+        found = FileSystems.match([_join(directory, pattern)])[0].metadata_list
+        found += FileSystems.match([_join(directory, pattern + "/**")])[0].metadata_list
+    except Exception:  # noqa: BLE001 - nothing there
+        return []
+    base = directory.rstrip("/") + "/"
+    return sorted({base + m.path[len(base):].split("/")[0] for m in found if m.path.startswith(base)})
