@@ -29,6 +29,8 @@ flags or input.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -39,8 +41,10 @@ from typing import Any
 import yaml
 
 from beam_prefix.model.tuning_record import LABELS_PER_BATCH
-from beam_prefix.tasks.task_file import read_task_file
-from pipelines.launch import in_process_main
+from beam_prefix.tasks.task_file import file_name_of, read_task_file
+from pipelines.launch import exit_process, in_process_main
+from pipelines.launch_checks import Read, hold_outputs, model_reads, refuse_inside, refuse_overlap, task_reads
+from pipelines.publish import Output
 from pipelines.local_rows import local_columns, local_paths
 from pipelines.options import INPUT_FORMATS, join_negative_lists, parse_layers, task_path, task_without_head
 from pipelines.sources import format_of
@@ -84,24 +88,67 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _rows(args) -> tuple[list[str], list[str]]:
-    paths = local_paths(args.input)
+    """The rows' texts and labels; every row must be one classify would read (the engine's
+    own text checks: `clean_text`) with a label, or the run is refused naming how many are not."""
+    paths = local_paths(args.input, "--input")
     if not paths:
         raise ValueError(f"--input={args.input!r} matches no local file (pipelines.tune reads local files)")
     rows = local_columns(paths, format_of(args.input, args.input_format), [args.text_column, args.label_column])
-    bad = [i for i, r in enumerate(rows) if r is None or r[0] in (None, "") or r[1] in (None, "")]
-    if bad:
-        raise ValueError(f"{len(bad)} of {len(rows)} input rows have no {args.text_column!r} text or no "
-                         f"{args.label_column!r} label (or do not parse), first at row {bad[0]}; a tuning uses "
-                         f"every row: fix or drop them")
+    reasons: collections.Counter = collections.Counter()
+    first = None
+    for i, r in enumerate(rows):
+        why = "unparseable" if r is None else "no_label" if r[1] in (None, "") else _text_error(r[0])
+        if why:
+            reasons[why] += 1
+            first = i if first is None else first
+    if reasons:
+        raise ValueError(f"{sum(reasons.values())} of {len(rows)} input rows cannot train "
+                         f"({', '.join(f'{n} {why}' for why, n in reasons.most_common())}; {args.text_column!r} text, "
+                         f"{args.label_column!r} label), first at row {first}; a tuning uses every row: fix or drop them")
     return [str(r[0]) for r in rows], [str(r[1]) for r in rows]
+
+
+def _text_error(text) -> str | None:
+    """The reason classify would fail a row with this text (`clean_text`), or None."""
+    from beam_prefix.errors import RowError
+    from beam_prefix.tasks.prompt import clean_text
+
+    try:
+        clean_text(text)
+    except RowError as e:
+        return e.reason
+    return None
+
+
+def _check_launch(args, task_file: str, task, layers: tuple[int, ...]) -> list[Output]:
+    """What this run writes, checked against what it reads before any model work: the task's
+    name as a file name, the layers on the model, the summary outside the output directory
+    and off every file read. Returns the outputs (to lock)."""
+    from beam_prefix.model.early_exit import check_layers
+    from beam_prefix.model.loading import load_config
+
+    file_name_of(task.name)  # it names the head and task files written: never a path
+    config = load_config(args.model)
+    states = check_layers(config, layers, what="--layers", model=args.model)
+    if 0 in states:
+        raise ValueError(f"--layers={','.join(map(str, layers))}: hidden state 0 (index "
+                         f"{layers[states.index(0)]}) is the token embeddings, which no decoder layer computes: "
+                         f"nothing there to tune; read layers of 1 or more")
+    outputs = [Output("--output", args.output)]
+    if args.summary_output:
+        summary = Output("--summary_output", args.summary_output)
+        refuse_inside(summary, "--output", args.output)
+        outputs.append(summary)
+    reads = [Read("--input", args.input), *task_reads(task_file), *model_reads(args.model)]
+    refuse_overlap(outputs[1:], reads)  # (--output is new or empty: nothing in it is read)
+    return outputs
 
 
 def run(argv: list[str] | None = None) -> dict:
     """Tune, fit, write the directory; returns the summary."""
-    from beam_prefix import PrefixClassifier, TaskSpec, fit_head
     from beam_prefix.engines.head_fitting import check_labels
-    from beam_prefix.engines.model_tuning import check_settings, tune_model
-    from beam_prefix.model.loading import check_device, load_model, set_torch_threads
+    from beam_prefix.engines.model_tuning import check_settings
+    from beam_prefix.model.loading import check_device
 
     args = parser().parse_args(join_negative_lists(list(sys.argv[1:] if argv is None else argv), ("--layers",)))
     if "://" in args.output:
@@ -121,12 +168,20 @@ def run(argv: list[str] | None = None) -> dict:
     named = _named_head(task_file, task_data)
     layers = parse_layers(args.layers) if args.layers else tuple(named.layers) if named else (-1,)
     pooling = args.pooling or (named.pooling if named else "last")
-    if args.summary_output:
-        read = {os.path.realpath(p) for p in local_paths(args.input) + [task_file]}
-        if os.path.realpath(args.summary_output) in read:
-            raise ValueError(f"--summary_output={args.summary_output!r} is a file this run reads (--input or --task)")
+    outputs = _check_launch(args, task_file, task, layers)
     texts, labels = _rows(args)
     check_labels(task, labels)  # before any model work
+    with contextlib.ExitStack() as held:
+        hold_outputs(held, outputs)  # a second tuning into the same directory is refused
+        return _tune(args, task_file, task_data, task, layers, pooling, texts, labels)
+
+
+def _tune(args, task_file: str, task_data, task, layers, pooling: str, texts: list[str], labels: list[str]) -> dict:
+    """The tuning and the heads, once the flags, the rows and the outputs are checked and locked."""
+    from beam_prefix import PrefixClassifier, TaskSpec, fit_head
+    from beam_prefix.engines.model_tuning import tune_model
+    from beam_prefix.model.loading import load_model, set_torch_threads
+
     set_torch_threads(args.torch_threads)
     label_rows = args.label_rows == "true"
     summary: dict = {"output": args.output, "task": task.name, "base_model": args.model, "rows": len(texts),
@@ -144,9 +199,15 @@ def run(argv: list[str] | None = None) -> dict:
     del base
     _LOGGER.info("base model's head: %s-fold accuracy %s, n-grams weighed %s", before.metrics.get("folds"),
                  before.metrics.get("kfold_accuracy"), alpha)
+    # everything this run writes is built in one folder beside --output, renamed into place at
+    # the end; named after --output (whose lock this run holds), so the next tuning into it
+    # removes what a killed one left
     parent = os.path.dirname(os.path.abspath(args.output))
-    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(args.output))}.tuning-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    work = os.path.join(parent, f".{os.path.basename(os.path.abspath(args.output))}.tuning")
+    if os.path.exists(work):
+        _LOGGER.info("removing %s, left by an earlier tuning into %s that was killed", work, args.output)
+        shutil.rmtree(work)
+    staging = os.path.join(work, "model")
     try:
         record = tune_model(task, texts, labels, output_dir=staging, model=args.model, layers=layers, pooling=pooling,
                             epochs=args.epochs, learning_rate=args.learning_rate, temperature=args.temperature,
@@ -165,17 +226,23 @@ def run(argv: list[str] | None = None) -> dict:
             f.write(_task_yaml(task_file, task_data, task.name, head_name, record.id, args.dtype))
         if half:  # the written head's self-check as classify runs it: cached == full within the dtype's tolerance
             PrefixClassifier(task=TaskSpec.from_yaml(os.path.join(staging, task_name)), loaded=loaded, verify=True)
-        if os.path.isdir(args.output):
-            os.rmdir(args.output)  # empty (checked at launch)
-        os.rename(staging, args.output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    summary.update(model_id=record.id, tuned_layers=record.tuned_layers, epochs=record.epochs, losses=list(record.losses),
-                   tune_s=record.tune_s, tuned_head=_facts(head), head=os.path.join(args.output, head_name),
-                   task_file=os.path.join(args.output, task_name), total_s=round(time.perf_counter() - start, 1))
-    if args.summary_output:
-        write_json(summary, args.summary_output)
+        summary.update(model_id=record.id, tuned_layers=record.tuned_layers, epochs=record.epochs,
+                       losses=list(record.losses), tune_s=record.tune_s, tuned_head=_facts(head),
+                       head=os.path.join(args.output, head_name), task_file=os.path.join(args.output, task_name),
+                       total_s=round(time.perf_counter() - start, 1))
+        if args.summary_output:  # before the directory is published: a summary that fails publishes nothing
+            write_json(summary, args.summary_output)
+        try:
+            if os.path.isdir(args.output):
+                os.rmdir(args.output)  # empty (checked at launch)
+            os.rename(staging, args.output)
+        except BaseException:
+            if args.summary_output:
+                with contextlib.suppress(OSError):
+                    os.remove(args.summary_output)
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return summary
 
 
@@ -224,4 +291,4 @@ def _format(s: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

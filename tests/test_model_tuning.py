@@ -264,11 +264,11 @@ def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", "--labels_per_batch=1"]) == 2
     assert "labels_per_batch must be >= 2" in capsys.readouterr().err
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", f"--summary_output={SAMPLE}"]) == 2
-    assert "a file this run reads" in capsys.readouterr().err
+    assert "which this run reads" in capsys.readouterr().err
     assert tune.main([*common, f"--input={SAMPLE}", f"--output={tmp_path}/out", "--dtype=float16"]) == 2
     assert "float16 is for GPUs" in capsys.readouterr().err  # pipelines.tune runs on the CPU
     gaps = tmp_path / "gaps.csv"
     gaps.write_text("text,label\nmy invoice is wrong,billing\n,technical\nlocked out,\n")
     assert tune.main([*common, f"--input={gaps}", f"--output={tmp_path}/out"]) == 2
-    assert "2 of 3 input rows have no" in capsys.readouterr().err
+    assert "2 of 3 input rows cannot train (1 empty_text, 1 no_label" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
