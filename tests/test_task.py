@@ -111,3 +111,18 @@ def test_control_strings_in_labels_and_examples_are_refused(chat_tokenizer, labe
     task = TaskSpec.from_dict({"labels": labels, "examples": examples})
     with pytest.raises(TaskSpecError, match="control string"):
         PromptLayout.build(task, chat_tokenizer)
+
+
+def test_labels_stay_the_text_the_user_wrote(tmp_path):
+    """#56.6: YAML 1.1 reads yes/no, on/off and true/false as booleans (and 1.0 as a
+    number): such labels, and an example's label, load as the words written."""
+    path = tmp_path / "yn.yaml"
+    path.write_text("name: yn\ninstructions: Refund?\nlabels: [yes, no, on, 'off', 1.0]\n"
+                    "examples:\n  - {text: refund please, label: yes}\n"
+                    "calibration: no\n")  # (elsewhere YAML's reading stands: calibration is a flag)
+    task = TaskSpec.from_yaml(path)
+    assert task.label_names == ("yes", "no", "on", "off", "1.0")
+    assert task.examples[0].label == "yes" and not task.calibration
+    path.write_text("name: tf\nlabels:\n  - name: true\n    description: yes\n  - false\n")
+    task = TaskSpec.from_yaml(path)
+    assert task.label_names == ("true", "false") and task.labels[0].description == "yes"

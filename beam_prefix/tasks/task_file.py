@@ -78,9 +78,45 @@ def nesting_depth(data: Any, limit: int) -> int:
     return deepest
 
 
+_STR = "tag:yaml.org,2002:str"
+
+
+def _labels_as_text(root) -> None:
+    """Read every scalar of the document's ``labels`` (names and descriptions) and every
+    example's ``label`` as the text the user wrote: YAML 1.1 reads ``yes``/``no``,
+    ``on``/``off`` and ``true``/``false`` as booleans (and ``1.0`` as a number), and a task
+    whose labels are ``yes``/``no`` would fail to load."""
+    if not isinstance(root, yaml.MappingNode):
+        return
+    for key, value in root.value:
+        if not isinstance(key, yaml.ScalarNode):
+            continue
+        if key.value == "labels" and isinstance(value, yaml.SequenceNode):
+            for item in value.value:
+                if isinstance(item, yaml.ScalarNode):
+                    item.tag = _STR
+                elif isinstance(item, yaml.MappingNode):
+                    _fields_as_text(item, ("name", "description"))
+        elif key.value == "examples" and isinstance(value, yaml.SequenceNode):
+            for item in value.value:
+                if isinstance(item, yaml.MappingNode):
+                    _fields_as_text(item, ("label",))
+
+
+def _fields_as_text(mapping, names) -> None:
+    for key, value in mapping.value:
+        if isinstance(key, yaml.ScalarNode) and key.value in names and isinstance(value, yaml.ScalarNode):
+            value.tag = _STR
+
+
 class _TaskLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` without aliases (an alias bomb expands to gigabytes) and without
-    duplicate keys (YAML lets the last one win silently)."""
+    duplicate keys (YAML lets the last one win silently), whose labels stay text
+    (`_labels_as_text`)."""
+
+    def construct_document(self, node):
+        _labels_as_text(node)
+        return super().construct_document(node)
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
