@@ -160,7 +160,11 @@ class Lease:
         holder = self._read()
         if holder and holder.get("token") != self._me["token"] and float(holder.get("expires", 0)) > time.time():
             self._refuse(holder)
-        self._write()
+        try:
+            self._write()
+        except Exception as e:  # noqa: BLE001 - each file system raises its own kind
+            raise OutputLocationError(f"{self.flag}={self.output}: cannot write its lock {self.path} "
+                                      f"({type(e).__name__}: {str(e)[:300]})") from None
         if (self._read() or {}).get("token") != self._me["token"]:  # another run wrote after us
             self._refuse(self._read())
         self._renewer = threading.Thread(target=self._renew, name=f"lease {self.path}", daemon=True)
