@@ -39,6 +39,7 @@ setup(
         "llguidance>=1.9.1,<1.10",  # schema-constrained decoding for extraction (beam_prefix.engines.constraints)
         "scikit-learn>=1.9,<1.10",  # pipelines.fit: the head's logistic regression and its k-fold choice
         "safetensors>=0.5,<1",  # trained head files (transformers needs it too)
+        "tqdm>=4.66,<5",  # pipelines.tune's progress bar on a terminal (transformers needs it too)
     ],
     extras_require={
         # Beam YAML pipelines (beam_prefix.yaml_provider) and beam.dataframe on the outputs

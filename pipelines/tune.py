@@ -5,13 +5,22 @@
     python -m pipelines.classify --model banking77_tuned/ --task banking77_tuned/banking77_fast_head.yaml ...
 
 In this process (a CPU tunes thousands of short rows in minutes; no Beam pipeline): reads the
-local input files (CSV, JSON Lines, Parquet: `pipelines.local_rows`), then
+local input files (CSV, JSON Lines, Parquet: `pipelines.local_rows`), holds out a stratified
+`--holdout` share of each label's rows (0.2 by default), then, on the other rows,
 
 1. fits a head on the base model (`fit_head`, the folds choose C and the n-gram weight):
    the "before" of the summary, and the n-gram weight the tuned head takes (its own folds
    would run over rows the tuning saw: `beam_prefix.engines.model_tuning`);
-2. tunes the decoder layers up to the deepest one the head reads (`tune_model`);
-3. fits the head on the tuned model with that n-gram weight.
+2. tunes the decoder layers up to the deepest one the head reads (`tune_model`; progress on
+   the console: a bar on a terminal, log lines elsewhere);
+3. fits the head on the tuned model with that n-gram weight;
+4. compares the two heads on the held-out rows, which tuned and fit nothing. The tuned model
+   is kept only when its head is more accurate there; its head is then fit again on every
+   row. Otherwise the run says so, discards the tuned model and writes the untuned head
+   (fit on every row, as `pipelines.fit` fits it) with a task file naming the base model;
+   either way it exits 0, and the summary's ``validation`` says
+   ``{rows, untuned_accuracy, tuned_accuracy, kept}``. ``--holdout 0`` skips the check (and
+   keeps the tuned model unproven).
 
 Tuning runs in float32 on the CPU; `--dtype bfloat16` fits both heads on the
 model loaded in that precision, so the written head answers with the tuned model loaded as
@@ -19,7 +28,8 @@ model loaded in that precision, so the written head answers with the tuned model
 
 `--output` is a new directory (it must not exist, or be empty; so it is never a path the run
 reads), written all or nothing: the tuned model (safetensors, tokenizer, tuning record), the
-head file ``<task>.head`` and the task file ``<task>.yaml`` that answers with it. The
+head file ``<task>.head`` and the task file ``<task>.yaml`` that answers with it (or, when
+the tuning lost, the head and task file alone). The
 layers and pooling default to those of the head the task file names, else -1 and last.
 Every input row is used or the run refuses (a row with no text or label is an error,
 naming how many). Exit statuses as the other pipelines: 0 done, 1 the run failed, 2 bad
@@ -44,6 +54,7 @@ from beam_prefix.model.tuning_record import LABELS_PER_BATCH
 from beam_prefix.tasks.task_file import file_name_of, read_task_file
 from pipelines.launch import exit_process, in_process_main
 from pipelines.launch_checks import Read, hold_outputs, model_reads, refuse_inside, refuse_overlap, task_reads
+from pipelines.progress import TuningProgress
 from pipelines.publish import Output
 from pipelines.local_rows import local_columns, local_paths
 from pipelines.options import INPUT_FORMATS, join_negative_lists, parse_layers, task_path, task_without_head
@@ -82,6 +93,10 @@ def parser() -> argparse.ArgumentParser:
                    help=f"Labels in each tuning batch, 4 rows each (default {LABELS_PER_BATCH}).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the batches and the weights' updates.")
     p.add_argument("--folds", type=int, default=5, help="Folds that choose the heads' regularisation.")
+    p.add_argument("--holdout", type=float, default=0.2,
+                   help="Share of each label's rows held out of the tuning and the heads to check them (default "
+                        "0.2, at least one row of a label with two or more): the tuned model is kept only when its "
+                        "head beats the untuned head on them, else the untuned head is written. 0: no check.")
     p.add_argument("--torch_threads", type=int, default=None, help="torch intra-op threads for this process.")
     p.add_argument("--summary_output", default=None, help="Also write the summary JSON here.")
     return p
@@ -159,6 +174,8 @@ def run(argv: list[str] | None = None) -> dict:
                    labels_per_batch=args.labels_per_batch)
     if args.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {args.folds}")
+    if not 0 <= args.holdout < 1:
+        raise ValueError(f"--holdout must be in [0, 1), got {args.holdout}")
     check_device("cpu", args.dtype)  # load_model's default device, where this tunes and fits
     task_file = task_path(args.task or "support_tickets")
     # read once: the task, its head's layers and the task file written beside the tuned model
@@ -176,29 +193,66 @@ def run(argv: list[str] | None = None) -> dict:
         return _tune(args, task_file, task_data, task, layers, pooling, texts, labels)
 
 
+def holdout_split(labels: list[str], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Row indices (train, held out): of each label's rows, round(fraction x n) held out,
+    at least one where the label has two rows or more, never its last (every label keeps a
+    training row); a label with one row is never held out. Seeded, so a rerun holds out
+    the same rows."""
+    import random
+
+    rng = random.Random(seed)
+    by_label: dict[str, list[int]] = {}
+    for i, label in enumerate(labels):
+        by_label.setdefault(label, []).append(i)
+    held = []
+    for label in sorted(by_label):
+        rows = by_label[label]
+        n = min(len(rows) - 1, max(1, round(fraction * len(rows)))) if fraction > 0 and len(rows) > 1 else 0
+        held += rng.sample(rows, n)
+    held_set = set(held)
+    return [i for i in range(len(labels)) if i not in held_set], sorted(held)
+
+
+def _accuracy(task, loaded, head, texts: list[str], labels: list[str]) -> float:
+    """The share of `texts` that `head`, answering on `loaded`, labels as `labels` says."""
+    from beam_prefix import PrefixClassifier
+
+    clf = PrefixClassifier(task=task.replace(scoring="head", head=head, calibration=False), loaded=loaded, verify=False)
+    return sum(p.label == gold for p, gold in zip(clf.classify(texts), labels)) / len(texts)
+
+
 def _tune(args, task_file: str, task_data, task, layers, pooling: str, texts: list[str], labels: list[str]) -> dict:
-    """The tuning and the heads, once the flags, the rows and the outputs are checked and locked."""
+    """The tuning and the heads, once the flags, the rows and the outputs are checked and
+    locked. With a holdout, the tuned model is kept only when its head beats the untuned
+    head on the held-out rows (neither tuned nor fit on them); the written head is then fit
+    on every row."""
     from beam_prefix import PrefixClassifier, TaskSpec, fit_head
     from beam_prefix.engines.model_tuning import tune_model
     from beam_prefix.model.loading import load_model, set_torch_threads
 
     set_torch_threads(args.torch_threads)
     label_rows = args.label_rows == "true"
+    fit = dict(layers=layers, pooling=pooling, folds=args.folds, label_rows=label_rows)
+    train, held = holdout_split(labels, args.holdout, args.seed)
+    train_texts, train_labels = [texts[i] for i in train], [labels[i] for i in train]
+    held_texts, held_labels = [texts[i] for i in held], [labels[i] for i in held]
     summary: dict = {"output": args.output, "task": task.name, "base_model": args.model, "rows": len(texts),
-                     "layers": list(layers), "pooling": pooling, "label_rows": label_rows, "dtype": args.dtype}
+                     "tuning_rows": len(train), "layers": list(layers), "pooling": pooling, "label_rows": label_rows,
+                     "dtype": args.dtype}
     start = time.perf_counter()
     # in half precision the self-check of LM label scores (what a task without a head answers
     # with) may refuse a model whose hidden states, what the heads read, are fine: the heads
     # are checked as they will answer instead (below)
     half = args.dtype != "float32"
-    base = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(args.model, dtype=args.dtype),
-                            verify=not half)
-    before = fit_head(base, texts, labels, layers=layers, pooling=pooling, folds=args.folds, label_rows=label_rows)
+    base_loaded = load_model(args.model, dtype=args.dtype)
+    base = PrefixClassifier(task=task.replace(calibration=False), loaded=base_loaded, verify=not half)
+    before = fit_head(base, train_texts, train_labels, **fit)
     alpha = before.lexical.alpha if before.lexical is not None else 0.0
     summary["base_head"] = _facts(before)
-    del base
-    _LOGGER.info("base model's head: %s-fold accuracy %s, n-grams weighed %s", before.metrics.get("folds"),
-                 before.metrics.get("kfold_accuracy"), alpha)
+    untuned = _accuracy(task, base_loaded, before, held_texts, held_labels) if held else None
+    _LOGGER.info("base model's head: %s-fold accuracy %s, n-grams weighed %s%s", before.metrics.get("folds"),
+                 before.metrics.get("kfold_accuracy"), alpha,
+                 f"; {untuned:.1%} on {len(held)} held-out rows" if held else "")
     # everything this run writes is built in one folder beside --output, renamed into place at
     # the end; named after --output (whose lock this run holds), so the next tuning into it
     # removes what a killed one left
@@ -208,26 +262,45 @@ def _tune(args, task_file: str, task_data, task, layers, pooling: str, texts: li
         _LOGGER.info("removing %s, left by an earlier tuning into %s that was killed", work, args.output)
         shutil.rmtree(work)
     staging = os.path.join(work, "model")
+    progress = TuningProgress(epochs=args.epochs, logger=_LOGGER)
     try:
-        record = tune_model(task, texts, labels, output_dir=staging, model=args.model, layers=layers, pooling=pooling,
-                            epochs=args.epochs, learning_rate=args.learning_rate, temperature=args.temperature,
-                            seed=args.seed, base_lexical_alpha=alpha, labels_per_batch=args.labels_per_batch,
-                            log=_LOGGER.info)
+        try:
+            record = tune_model(task, train_texts, train_labels, output_dir=staging, model=args.model, layers=layers,
+                                pooling=pooling, epochs=args.epochs, learning_rate=args.learning_rate,
+                                temperature=args.temperature, seed=args.seed, base_lexical_alpha=alpha,
+                                labels_per_batch=args.labels_per_batch, log=_LOGGER.info, progress=progress)
+        finally:
+            progress.close()
         # the tuned model's self-check in float32: cached == full re-encoding
-        tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=load_model(staging))
+        loaded = load_model(staging)
+        tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=loaded)
         if half:
             loaded = load_model(staging, dtype=args.dtype)
             tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=loaded, verify=False)
-        head = fit_head(tuned, texts, labels, layers=layers, pooling=pooling, folds=args.folds, label_rows=label_rows,
-                        lexical_alpha=alpha)
+        kept = True
+        if held:
+            tuned_head = fit_head(tuned, train_texts, train_labels, **fit, lexical_alpha=alpha)
+            tuned_accuracy = _accuracy(task, loaded, tuned_head, held_texts, held_labels)
+            kept = tuned_accuracy > untuned
+            summary["validation"] = {"rows": len(held), "untuned_accuracy": round(untuned, 4),
+                                     "tuned_accuracy": round(tuned_accuracy, 4), "kept": kept}
         head_name, task_name = f"{task.name}.head", f"{task.name}.yaml"
-        head.save(os.path.join(staging, head_name))
-        with open(os.path.join(staging, task_name), "w", encoding="utf-8") as f:
-            f.write(_task_yaml(task_file, task_data, task.name, head_name, record.id, args.dtype))
-        if half:  # the written head's self-check as classify runs it: cached == full within the dtype's tolerance
-            PrefixClassifier(task=TaskSpec.from_yaml(os.path.join(staging, task_name)), loaded=loaded, verify=True)
-        summary.update(model_id=record.id, tuned_layers=record.tuned_layers, epochs=record.epochs,
-                       losses=list(record.losses), tune_s=record.tune_s, tuned_head=_facts(head),
+        if kept:  # the head on every row, the n-gram weight the base model's folds chose
+            head = fit_head(tuned, texts, labels, **fit, lexical_alpha=alpha)
+            answer, model = loaded, record.id
+            out = staging
+        else:  # the untuned head, fit on every row as pipelines.fit fits it, beside no model
+            head = fit_head(base, texts, labels, **fit)
+            answer, model = base_loaded, _model_spec(args.model)
+            out = os.path.join(work, "untuned")
+            os.makedirs(out)
+        head.save(os.path.join(out, head_name))
+        with open(os.path.join(out, task_name), "w", encoding="utf-8") as f:
+            f.write(_task_yaml(task_file, task_data, task.name, head_name, model, args.dtype, tuned=kept))
+        if half or not kept:  # the written head's self-check as classify runs it
+            PrefixClassifier(task=TaskSpec.from_yaml(os.path.join(out, task_name)), loaded=answer, verify=True)
+        summary.update(kept=kept, model_id=record.id if kept else None, tuned_layers=record.tuned_layers,
+                       epochs=record.epochs, losses=list(record.losses), tune_s=record.tune_s, tuned_head=_facts(head),
                        head=os.path.join(args.output, head_name), task_file=os.path.join(args.output, task_name),
                        total_s=round(time.perf_counter() - start, 1))
         if args.summary_output:  # before the directory is published: a summary that fails publishes nothing
@@ -235,7 +308,7 @@ def _tune(args, task_file: str, task_data, task, layers, pooling: str, texts: li
         try:
             if os.path.isdir(args.output):
                 os.rmdir(args.output)  # empty (checked at launch)
-            os.rename(staging, args.output)
+            os.rename(out, args.output)
         except BaseException:
             if args.summary_output:
                 with contextlib.suppress(OSError):
@@ -244,6 +317,12 @@ def _tune(args, task_file: str, task_data, task, layers, pooling: str, texts: li
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return summary
+
+
+def _model_spec(model: str) -> str:
+    """`model` as a task file names it: a local directory or file by its absolute path (a task
+    file's model is read from wherever classify runs)."""
+    return os.path.abspath(model) if os.path.exists(model) else model
 
 
 def _named_head(task_file: str, data: Any):
@@ -257,13 +336,22 @@ def _named_head(task_file: str, data: Any):
         return None
 
 
-def _task_yaml(task_file: str, data: dict, name: str, head_name: str, model: str, dtype: str) -> str:
-    """The task file's task (parsed: ``data``), answered by the tuned model's head (a path beside it)."""
-    run_with = "--model <this directory>" + ("" if dtype == "float32" else f" --dtype {dtype}")
-    data = {**{k: v for k, v in data.items() if k not in ("head", "scoring", "calibration")}, "name": name, "scoring": "head",
-            "head": head_name}
-    return (f"# Written by pipelines.tune from {os.path.basename(task_file)}: its head answers only with the\n"
-            f"# tuned model of this directory (model id {model}) in {dtype}; run with {run_with}.\n"
+def _task_yaml(task_file: str, data: dict, name: str, head_name: str, model: str, dtype: str, *,
+               tuned: bool = True) -> str:
+    """The task file's task (parsed: ``data``), answered by the head beside it: on the tuned
+    model of this directory, or (`tuned` false: the tuning lost on the held-out rows) on the
+    base model, which the task file then names."""
+    half = "" if dtype == "float32" else f" --dtype {dtype}"
+    keep = {k: v for k, v in data.items() if k not in ("head", "scoring", "calibration", "model")}
+    if tuned:
+        data = {**keep, "name": name, "scoring": "head", "head": head_name}
+        said = (f"its head answers only with the\n# tuned model of this directory (model id {model}) in {dtype}; run "
+                f"with --model <this directory>{half}.")
+    else:
+        data = {**keep, "name": name, "model": model, "scoring": "head", "head": head_name}
+        said = (f"the tuning did not beat the\n# untuned head on held-out rows, so this is the untuned head, on model "
+                f"{model} in {dtype}; run with --task <this file>{half}.")
+    return (f"# Written by pipelines.tune from {os.path.basename(task_file)}: {said}\n"
             + yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
 
@@ -280,14 +368,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _format(s: dict) -> str:
-    b, t = s["base_head"], s["tuned_head"]
+    b, t, v = s["base_head"], s["tuned_head"], s.get("validation")
     answer = "" if s["dtype"] == "float32" else f" (fit in {s['dtype']}: classify with --dtype {s['dtype']})"
-    return (f"tuned model written: {s['output']} (model id {s['model_id']}; layers 1-{s['tuned_layers']} tuned, "
-            f"{s['epochs']} epochs, {s['tune_s']:.0f} s, loss {s['losses'][0]} -> {s['losses'][-1]})\n"
-            f"head: {s['head']}{answer}; task: {s['task_file']}\n"
-            f"base model's head: {b['folds']}-fold accuracy {b['kfold_accuracy']}, n-grams weighed {b['lexical_alpha']:g}\n"
-            f"tuned model's head: n-grams weighed {t['lexical_alpha']:g} (the base's); its folds ran over rows the "
-            f"tuning saw, so its fold accuracy ({t['kfold_accuracy']}) overrates it: measure on rows that tuned nothing")
+    tuning = (f"layers 1-{s['tuned_layers']} tuned on {s['tuning_rows']} rows, {s['epochs']} epochs, "
+              f"{s['tune_s']:.0f} s, loss {s['losses'][0]} -> {s['losses'][-1]}")
+    checked = "" if v is None else (
+        f"held-out check ({v['rows']} rows that neither tuned nor fit anything): untuned head "
+        f"{v['untuned_accuracy']:.1%}, tuned {v['tuned_accuracy']:.1%}\n")
+    if not s["kept"]:
+        return (checked + f"the tuning did not beat the untuned head: kept the untuned head ({tuning}; discarded)\n"
+                f"written: {s['output']}: head {s['head']}{answer}, task {s['task_file']} (on model "
+                f"{s['base_model']}: classify with --task {s['task_file']})")
+    lines = [checked + f"tuned model written: {s['output']} (model id {s['model_id']}; {tuning})",
+             f"head: {s['head']}{answer}; task: {s['task_file']}",
+             f"base model's head: {b['folds']}-fold accuracy {b['kfold_accuracy']}, n-grams weighed "
+             f"{b['lexical_alpha']:g}",
+             f"tuned model's head: n-grams weighed {t['lexical_alpha']:g} (the base's); its folds ran over rows the "
+             f"tuning saw, so its fold accuracy ({t['kfold_accuracy']}) overrates it"]
+    if v is None:
+        lines.append("not checked on held-out rows (--holdout 0): measure on rows that tuned nothing")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

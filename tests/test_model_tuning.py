@@ -190,7 +190,7 @@ def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_d
     monkeypatch.setattr(model_tuning, "tune_model", edit_then_tune)
     out = tmp_path / "tuned"
     assert tune.main([f"--task={task_file}", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
-                      f"--model={tiny_dir}", "--layers", "-1", "--pooling=mean", "--epochs=1", "--folds=3",
+                      f"--model={tiny_dir}", "--layers", "-1", "--pooling=mean", "--epochs=1", "--folds=3", "--holdout=0",
                       "--labels_per_batch=2", f"--summary_output={tmp_path}/summary.json"]) == 0
     printed = capsys.readouterr().out
     assert "tuned model written" in printed and "overrates" in printed
@@ -215,7 +215,7 @@ def test_pipelines_tune_dtype_fits_the_heads_in_that_precision_and_the_head_answ
     out = tmp_path / "tuned"
     assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
                       f"--model={tiny_dir}", "--layers=1", "--pooling=mean", "--epochs=1", "--folds=2",
-                      "--dtype=bfloat16"]) == 0
+                      "--dtype=bfloat16", "--holdout=0"]) == 0
     assert "classify with --dtype bfloat16" in capsys.readouterr().out
     task = TaskSpec.from_yaml(out / "support_tickets.yaml")
     assert "--dtype bfloat16" in (out / "support_tickets.yaml").read_text(encoding="utf-8")
@@ -244,7 +244,7 @@ def test_pipelines_tune_in_half_precision_writes_nothing_when_the_written_heads_
     monkeypatch.setattr(Engine, "verify", head_disagrees)
     assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label",
                       f"--output={tmp_path}/tuned", f"--model={tiny_dir}", "--layers=1", "--pooling=mean",
-                      "--epochs=1", "--folds=2", "--dtype=bfloat16"]) == 1
+                      "--epochs=1", "--folds=2", "--dtype=bfloat16", "--holdout=0"]) == 1
     assert "injected" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []  # no tuned directory, no staging left
 

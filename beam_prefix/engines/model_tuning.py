@@ -148,11 +148,14 @@ def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir:
                layers: Sequence[int] = (-1,), pooling: str = "mean", epochs: int = 4, learning_rate: float = 1e-4,
                temperature: float = 0.1, seed: int = 0, base_lexical_alpha: float | None = None,
                labels_per_batch: int = LABELS_PER_BATCH, trust_remote_code: bool = False,
-               log: Callable[[str], None] | None = None) -> TuningRecord:
+               log: Callable[[str], None] | None = None,
+               progress: Callable[[int, int, int, int], None] | None = None) -> TuningRecord:
     """Tune `model` on `texts` and their `labels` (names of `task`'s labels) read in `task`'s
     prompt (a label with a single row joins no batch: a contrastive pair needs two), and write the tuned model directory to `output_dir` (all or nothing: built
     beside it, then renamed; it must not exist, or be empty). A batch holds 4 rows of each of
     `labels_per_batch` labels (more labels: more negatives per step, fewer steps per epoch).
+    `log` is called with a line per epoch, `progress` after every step with (epoch, step,
+    steps in the epoch, rows in the step), both counted from 1.
 
     Raises:
         ValueError: bad settings, labels the task lacks, an `output_dir` that holds files.
@@ -190,13 +193,16 @@ def tune_model(task, texts: Sequence[str], labels: Sequence[str], *, output_dir:
     try:
         for epoch in range(epochs):
             epoch_losses = []
-            for batch in label_batches(list(enumerate(y)), rng, labels_per_batch=labels_per_batch):
+            batches = label_batches(list(enumerate(y)), rng, labels_per_batch=labels_per_batch)
+            for step, batch in enumerate(batches, 1):
                 z = train_features(net, clf.layout.prefix_ids, [suffixes[r] for r, _ in batch], layers, pooling)
                 loss = contrastive_loss(z, torch.tensor([label for _, label in batch], device=z.device), temperature)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
                 epoch_losses.append(float(loss.detach()))
+                if progress is not None:
+                    progress(epoch + 1, step, len(batches), len(batch))
             losses.append(round(sum(epoch_losses) / len(epoch_losses), 4))
             if log is not None:
                 log(f"epoch {epoch + 1}/{epochs}: loss {losses[-1]} ({time.perf_counter() - start:.0f} s)")
