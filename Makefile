@@ -46,7 +46,7 @@ test-slow: $(STAMP) $(BQ_STAMP)
 # held-out tickets that fit nothing: the accuracy it prints is held-out
 demo: $(STAMP)
 	$(PY) -m pipelines.classify --runner=DirectRunner --task support_tickets_head \
-		--input pipelines/data/heldout_tickets.csv --eval_label_column label
+		--input pipelines/data/heldout_tickets.csv --id_column ticket_id --eval_label_column label
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.speedup

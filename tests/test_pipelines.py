@@ -323,3 +323,28 @@ def test_portable_runner_matches_full_reencoding(tiny_dir, tmp_path, runner_flag
     reference = _reference(tiny_dir, [r["text"] for r in good])
     by_text = {r["text"]: r for r in labeled}
     assert {t: by_text[t]["label"] for t in reference} == {t: p.label for t, p in reference.items()}
+
+
+def test_make_demo_keeps_the_tickets_id_column(tiny_dir, tmp_path, monkeypatch):
+    """#56.9: the demo's labelled rows carry the input's ticket_id (its flags, as the
+    Makefile gives them, run on the tiny model with the task's untrained form into a folder
+    of the test's own)."""
+    import re
+    import shlex
+
+    import pyarrow.parquet as pq
+
+    from conftest import ROOT
+
+    with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
+        recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", f.read(), flags=re.M).group(1)
+    words = shlex.split(recipe.replace("\\\n", " "))
+    flags = words[words.index("pipelines.classify") + 1:]
+    at = flags.index("--task")
+    flags = flags[:at] + flags[at + 2:]  # (the shipped head answers on the embedded model only)
+    monkeypatch.chdir(ROOT)  # the recipe's paths are the checkout's
+    assert classify.main([*flags, f"--model={tiny_dir}", "--task=support_tickets", "--verify=false",
+                          f"--output={tmp_path}/labeled"]) == 0
+    table = pq.read_table(next(p for p in tmp_path.iterdir() if p.name.startswith("labeled-0")))
+    assert table.column_names[:2] == ["ticket_id", "text"]
+    assert table.column("ticket_id").to_pylist()[0].startswith("H")
