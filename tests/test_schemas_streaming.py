@@ -108,3 +108,30 @@ def test_max_batch_duration_secs_buffers_across_bundles(tiny_dir):
         result = (p | beam.Create([{"text": t} for t in TEXTS])
                   | ClassifyText(task=_task(), model=tiny_dir, max_batch_duration_secs=1, verify=False))
         assert_that(result.labeled | beam.Map(lambda r: (r["text"], r["label"])), equal_to(list(expected.items())))
+
+
+def test_schemad_output_with_top_k_goes_into_write_to_parquet(tiny_dir, tmp_path):
+    """#56.8: Beam's WriteToParquet cannot convert the nested top_k rows itself (ArrowTypeError:
+    Could not convert Row(label=..., score=...)); with `parquet_schema` and `parquet_row`
+    the labelled rows are written with their types: the top_k list of structs, the input's
+    int column, a nullable text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from beam_prefix.beam.schemas import parquet_row, parquet_schema
+
+    rows = [Ticket(f"T{i}", t, i) for i, t in enumerate(TEXTS[:5])]
+    with beam.Pipeline() as p:
+        labeled = (p | beam.Create(rows).with_output_types(Ticket)
+                   | ClassifyText(task=tiny_task(), model=tiny_dir, top_k=2, verify=False)).labeled
+        schema = parquet_schema(labeled.element_type)
+        _ = (labeled | beam.Map(parquet_row)
+             | beam.io.WriteToParquet(str(tmp_path / "labeled"), schema, file_name_suffix=".parquet"))
+    assert schema.field("top_k").type == pa.list_(pa.field("item", pa.struct(
+        [pa.field("label", pa.string(), nullable=False), pa.field("score", pa.float64(), nullable=False)]),
+        nullable=False))
+    assert schema.field("priority").type == pa.int64() and schema.field("text").nullable
+    table = pq.read_table(next(tmp_path.glob("labeled-*.parquet")))
+    assert sorted(table.column("ticket_id").to_pylist()) == [f"T{i}" for i in range(5)]
+    for entry in table.to_pylist():
+        assert [e["label"] for e in entry["top_k"]][0] == entry["label"] and len(entry["top_k"]) == 2

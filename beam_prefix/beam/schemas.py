@@ -12,7 +12,10 @@ sinks work on them:
 - ``failed``: ``row: str`` (the input row as JSON text), ``id: Optional[str]``,
   ``reason: str``, ``error: str``, ``stage: str``.
 
-Dict rows have no schema: their outputs stay dicts (the same names and values).
+Dict rows have no schema: their outputs stay dicts (the same names and values). For the
+sinks that need a schema of their own: `bigquery_schema` and `bigquery_row` for
+``WriteToBigQuery``, `parquet_schema` and `parquet_row` for ``WriteToParquet`` (which
+cannot convert a nested `beam.Row`, such as a ``top_k`` entry, by itself).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from apache_beam.typehints import schemas
 from apache_beam.typehints.row_type import RowTypeConstraint
 
 __all__ = ["input_fields", "kept_fields", "labeled_type", "FAILED_TYPE", "TOP_K_ENTRY", "ToRow", "failed_row", "failed_values", "json_text",
-           "bigquery_schema", "bigquery_row"]
+           "bigquery_schema", "bigquery_row", "parquet_schema", "parquet_row"]
 
 TOP_K_ENTRY = RowTypeConstraint.from_fields([("label", str), ("score", float)])
 FAILED_TYPE = RowTypeConstraint.from_fields([
@@ -183,6 +186,64 @@ def bigquery_row(row: beam.Row) -> dict:
             return [value(x) for x in v]
         if isinstance(v, (bytes, bytearray)):
             return base64.b64encode(bytes(v)).decode("ascii")
+        return v
+
+    return value(row)
+
+
+# Beam's atomic types -> Arrow's (what WriteToParquet writes)
+_ARROW_TYPES = {"BYTE": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64", "FLOAT": "float32",
+                "DOUBLE": "float64", "STRING": "string", "BOOLEAN": "bool_", "BYTES": "binary"}
+_ARROW_LOGICAL = {"beam:logical_type:micros_instant:v1": ("timestamp", "us", "UTC"),
+                  "beam:logical_type:millis_instant:v1": ("timestamp", "ms", "UTC"),
+                  "beam:logical_type:date:v1": ("date32",)}
+
+
+def parquet_schema(row_type):
+    """The Arrow schema (a ``pyarrow.Schema``) of a schema'd PCollection's element type, for
+    ``WriteToParquet``: ``labeled | beam.Map(parquet_row) | WriteToParquet(path,
+    parquet_schema(labeled.element_type))``. Nested rows (``top_k`` entries) are structs,
+    lists are lists, nullable fields nullable."""
+    import pyarrow as pa
+
+    return pa.schema([_arrow_field(f.name, f.type) for f in schemas.schema_from_element_type(row_type).fields])
+
+
+def _arrow_field(name: str, field_type):
+    import pyarrow as pa
+
+    return pa.field(name, _arrow_type(field_type), nullable=field_type.nullable)
+
+
+def _arrow_type(field_type):
+    import pyarrow as pa
+    from apache_beam.portability.api import schema_pb2
+
+    kind = field_type.WhichOneof("type_info")
+    if kind == "array_type" or kind == "iterable_type":
+        inner = field_type.array_type if kind == "array_type" else field_type.iterable_type
+        return pa.list_(_arrow_field("item", inner.element_type))
+    if kind == "row_type":
+        return pa.struct([_arrow_field(f.name, f.type) for f in field_type.row_type.schema.fields])
+    if kind == "map_type":
+        return pa.map_(_arrow_type(field_type.map_type.key_type), _arrow_type(field_type.map_type.value_type))
+    if kind == "logical_type":
+        known = _ARROW_LOGICAL.get(field_type.logical_type.urn)
+        if known is not None:
+            return getattr(pa, known[0])(*known[1:])
+        return _arrow_type(field_type.logical_type.representation)
+    atomic = schema_pb2.AtomicType.Name(field_type.atomic_type)
+    return getattr(pa, _ARROW_TYPES.get(atomic, "string"))()
+
+
+def parquet_row(row: beam.Row) -> dict:
+    """A `beam.Row` as the dict ``WriteToParquet`` writes (nested rows as dicts)."""
+
+    def value(v):
+        if isinstance(v, beam.Row):
+            return {k: value(x) for k, x in v.as_dict().items()}
+        if isinstance(v, (list, tuple)):
+            return [value(x) for x in v]
         return v
 
     return value(row)
