@@ -26,7 +26,7 @@ from beam_prefix.model.loading import EMBEDDED
 from beam_prefix.beam.schemas import kept_fields
 from beam_prefix.beam.step import PrefixStep, StepConfig, batching_args, stamp
 from beam_prefix.tasks.task import TaskSpec
-from beam_prefix.tasks.trained_head import POOLINGS
+from beam_prefix.tasks.trained_head import EMBED_POOLINGS
 from beam_prefix.beam.worker import PrefixStepDoFn
 
 __all__ = ["EmbedText", "EmbedConfig", "EmbedDoFn", "EMBEDDED_TAG", "FEATURES_COLUMN", "features_task"]
@@ -52,7 +52,7 @@ class EmbedConfig(StepConfig):
 
     task: TaskSpec = None  # type: ignore[assignment]  (required: checked below)
     layers: tuple[int, ...] = (-1,)
-    pooling: str = "last"  # "mean": over the row's suffix positions (trained_head.POOLINGS)
+    pooling: str = "last"  # "mean": over the row's suffix positions; "last+mean": both (trained_head.EMBED_POOLINGS)
 
     def __post_init__(self):
         if not isinstance(self.task, TaskSpec):
@@ -61,8 +61,8 @@ class EmbedConfig(StepConfig):
         if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
             raise ValueError(f"layers must be a non-empty sequence of hidden-state indices, got {self.layers!r}")
         object.__setattr__(self, "layers", layers)
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.pooling not in EMBED_POOLINGS:
+            raise ValueError(f"pooling must be one of {EMBED_POOLINGS}, got {self.pooling!r}")
         object.__setattr__(self, "task", features_task(self.task))
         super().__post_init__()
 

@@ -29,7 +29,7 @@ from beam_prefix.model.half_precision import TOLERANCE, compute_dtype, precision
 from beam_prefix.model.loading import precision_of
 from beam_prefix.tasks.prompt import EncodedText
 from beam_prefix.tasks.task import TaskSpec
-from beam_prefix.tasks.trained_head import POOLINGS, feature_fingerprint
+from beam_prefix.tasks.trained_head import EMBED_POOLINGS, feature_fingerprint
 
 __all__ = ["PrefixClassifier", "Prediction", "Embedding", "VERIFY_PROBES"]
 
@@ -365,8 +365,8 @@ class PrefixClassifier(PrefixEngine):
 
 
 def _check_pooling(pooling: str) -> str:
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    if pooling not in EMBED_POOLINGS:
+        raise ValueError(f"pooling must be one of {EMBED_POOLINGS}, got {pooling!r}")
     return pooling
 
 

@@ -109,9 +109,9 @@ class LabelScorer:
         with torch.inference_mode():
             states = model.base_model(input_ids=_ids(prompt_ids, self.device), use_cache=False,
                                       output_hidden_states=True).hidden_states
-            if pooling == "mean":
-                return torch.cat([states[i][0, -suffix_length:].mean(0) for i in layers], dim=-1)
-            return torch.cat([states[i][0, -1] for i in layers], dim=-1)
+            last = [states[i][0, -1] for i in layers] if pooling in ("last", "last+mean") else []
+            mean = [states[i][0, -suffix_length:].mean(0) for i in layers] if pooling in ("mean", "last+mean") else []
+            return torch.cat(last + mean, dim=-1)
 
     def exhaustive(self) -> "LabelScorer":
         """The scorer that computes every label's own score (what a search is checked against)."""
@@ -122,7 +122,10 @@ def pool(states: Sequence[torch.Tensor], step: Step, pooling: str) -> torch.Tens
     """Each row's features ``[B, H * len(states)]`` from a suffix step's hidden states (one
     ``[B, Q, H]`` per layer read): ``last``, at the row's last suffix position; ``mean``, the
     mean over its suffix positions (pad columns weigh nothing). What `LabelScorer.features`
-    returns, and what a tuning step trains (`benchmarks.tuning_survey`)."""
+    returns, and what a tuning step trains (`benchmarks.tuning_survey`). ``last+mean``: both,
+    ``[B, 2 * H * len(states)]``, the last-position parts first."""
+    if pooling == "last+mean":
+        return torch.cat([pool(states, step, "last"), pool(states, step, "mean")], dim=-1)
     if pooling == "mean":
         width = states[0].shape[1]
         real = (torch.arange(width, device=step.ids.device)[None] < step.lengths[:, None]).to(states[0].dtype)

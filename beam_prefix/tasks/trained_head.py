@@ -34,7 +34,7 @@ import torch
 from beam_prefix.errors import TaskSpecError
 from beam_prefix.tasks.lexical_head import LexicalHead
 
-__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS"]
+__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS", "EMBED_POOLINGS"]
 
 HEAD_METADATA_KEY = "beam_prefix_head"
 _FORMAT = 1
@@ -47,6 +47,9 @@ def text_hash(text: str) -> int:
 
 
 POOLINGS = ("last", "mean")  # the row's last suffix position, or the mean over its suffix positions
+# what an embedding may pool: a head's poolings, or both at once from one forward ("last+mean":
+# the last-position parts of every layer, then the mean parts: what a candidate search reads)
+EMBED_POOLINGS = POOLINGS + ("last+mean",)
 
 
 def feature_fingerprint(prompt_fingerprint: str, dtype: torch.dtype | str, layers: Sequence[int],
