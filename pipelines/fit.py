@@ -33,10 +33,11 @@ import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
-from beam_prefix.model.loading import precision_of
+from beam_prefix.engines import feature_search
 from beam_prefix.engines.head_fitting import check_labels, fit_head_from_features as fit_head, task_label_rows
+from beam_prefix.model.loading import EMBEDDED, precision_of
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
-from pipelines import bigquery_endpoint
+from pipelines import bigquery_endpoint, fit_search
 from pipelines.fit_io import FeatureStaging, write_head
 from pipelines.launch import exit_process, in_process_main, run_to_end
 from pipelines.local_rows import local_columns, local_paths
@@ -65,12 +66,19 @@ class FitOptions(PipelineOptions):
     def _add_argparse_args(cls, parser):
         group = parser.add_argument_group("fitting a head")
         group.add_argument("--label_column", default=None, help="pipelines.fit: the column holding each row's label.")
-        group.add_argument("--layers", default="-1",
-                           help="pipelines.fit: hidden-state indices read at each row's last position, comma-"
-                                "separated: -1 (default) the final normalised state; e.g. -1,20 adds layer 20.")
-        group.add_argument("--pooling", default="last", choices=("last", "mean"),
-                           help="pipelines.fit: the hidden states at each row's last position (last, default) or "
-                                "their mean over the row's own (suffix) positions (mean).")
+        group.add_argument("--layers", default=None,
+                           help="pipelines.fit: hidden-state indices the head reads, comma-separated: -1 the final "
+                                "normalised state; e.g. -1,20 adds layer 20. Default: chosen by folds with the "
+                                "pooling among a few candidates (see --prefer), unless --layers, --pooling or "
+                                "--dtype is given (then -1).")
+        group.add_argument("--pooling", default=None, choices=("last", "mean"),
+                           help="pipelines.fit: the hidden states at each row's last position (last) or their mean "
+                                "over the row's own (suffix) positions (mean). Default: chosen by folds with the "
+                                "layers, unless --layers, --pooling or --dtype is given (then last).")
+        group.add_argument("--prefer", default="balanced", choices=("accuracy", "balanced", "cost"),
+                           help="pipelines.fit, features chosen by folds: the most accurate candidate (accuracy), "
+                                "or the cheapest per row within 0.5 (balanced, default) or 2 (cost) points of "
+                                "its fold accuracy.")
         group.add_argument("--lexical", default="true", choices=("true", "false"),
                            help="pipelines.fit: also fit a regression on the rows' word and character n-grams and "
                                 "weigh it beside the hidden states by the same folds (true, default; the folds may "
@@ -127,7 +135,9 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     if given:
         raise ValueError(f"--{given[0]} does not apply to pipelines.fit: it writes one head file (--output) "
                          f"and, with --summary_output, its summary JSON; it writes no rows")
-    layers = parse_layers(f.layers)
+    # no feature flag: the features are chosen by folds (pipelines.fit_search)
+    search = f.layers is None and f.pooling is None and not any(a.split("=")[0] == "--dtype" for a in argv)
+    layers = None if search else parse_layers(f.layers or "-1")
     task_file = task_path(o.task or "support_tickets")
     # the head this run writes may replace the one the task names (not read here), never
     # the input, the task file or the model
@@ -140,10 +150,19 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         return _fit(options, task_file, layers, test_pipeline)
 
 
-def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...], test_pipeline) -> dict:
-    """The fit itself, once the flags and outputs are checked and locked."""
+def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | None, test_pipeline) -> dict:
+    """The fit itself, once the flags and outputs are checked and locked (`layers` None: the
+    features chosen by folds)."""
     o, f = options.view_as(StepOptions), options.view_as(FitOptions)
     task = task_without_head(task_file)
+    found = None
+    pooling = f.pooling or "last"
+    if layers is None:
+        from beam_prefix.model.loading import load_config
+
+        found = feature_search.candidates(load_config(o.model or task.model or EMBEDDED).get_text_config()
+                                          .num_hidden_layers)
+        layers, pooling = feature_search.union(found)
     if o.bigquery_endpoint:
         bigquery_endpoint.install(bigquery_endpoint.Endpoint(rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
                                                              project=None))
@@ -156,7 +175,7 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...], test
                       dtype=o.dtype, threads=o.torch_threads, batch_size=o.batch_size or 16,
                       max_text_tokens=o.max_text_tokens, overflow=o.overflow,
                       min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size, verify=o.verify == "true",
-                      keep_columns=[o.text_column, f.label_column], device=o.device, pooling=f.pooling)
+                      keep_columns=[o.text_column, f.label_column], device=o.device, pooling=pooling)
     embed.config.check_fits()
     staging = FeatureStaging(o.output)  # on the head's own file system: workers anywhere can deliver
     staging.prepare()
@@ -193,7 +212,6 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...], test
         if len(prompts) != 1:
             raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
         prompt = prompts.pop()
-        fingerprint = feature_fingerprint(prompt, precision_of(o.dtype), layers, f.pooling)  # as the engine's
         extra = None
         if f.label_rows == "true":
             rows_of_labels = staging.read_label_rows()
@@ -210,17 +228,29 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...], test
                      rows_of_labels.column("hash").to_pylist())
         # (the n-grams read each row's whole text; a row cut at --max_text_tokens is read cut
         # when classified)
-        head = fit_head(features, labels, table.column("hash").to_pylist(), task, layers=layers,
-                        fingerprint=fingerprint, folds=f.folds, pooling=f.pooling,
-                        texts=table.column("text").to_pylist() if f.lexical == "true" else None, extra=extra)
+        texts = table.column("text").to_pylist()
+        hashes = table.column("hash").to_pylist()
+        searched = {}
+        if found is not None:
+            costs = fit_search.ms_per_row(embed.config.model, o.dtype, task, texts, found)
+            head, table_of, chosen = fit_search.fit_candidates(
+                found, layers, features, labels, hashes, task, prompt=prompt, dtype=o.dtype, folds=f.folds,
+                texts=texts if f.lexical == "true" else None, extra=extra, prefer=f.prefer, costs=costs)
+            searched = {"candidates": table_of, "chosen": chosen}
+            layers, pooling = head.layers, head.pooling
+        else:
+            head = fit_head(features, labels, hashes, task, layers=layers,
+                            fingerprint=feature_fingerprint(prompt, precision_of(o.dtype), layers, pooling),
+                            folds=f.folds, pooling=pooling, texts=texts if f.lexical == "true" else None, extra=extra)
     finally:
         staging.delete()
     write_head(head, o.output)  # all or nothing
     summary = {"head": o.output, "task": task.name, "rows_used": len(labels), "rows_failed": n_failed,
-               "features": int(features.shape[1]), "layers": list(layers), "pooling": f.pooling, "features_s": round(features_s, 2),
+               "features": int(head.features), "layers": list(layers), "pooling": pooling,
+               "features_s": round(features_s, 2), **searched,
                "lexical_alpha": head.lexical.alpha if head.lexical is not None else 0.0,
                "label_rows": head.metrics.get("label_rows", 0),
-               **{k: v for k, v in head.metrics.items() if k != "per_label_f1"},
+               **{k: v for k, v in head.metrics.items() if k not in ("per_label_f1", "feature_search")},
                "worst_label_f1": sorted(head.metrics.get("per_label_f1", {}).items(), key=lambda kv: kv[1])[:5]}
     if o.summary_output:  # where a Flex Template's launcher output is not at hand
         write_json(summary, o.summary_output)
@@ -241,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _format(s: dict) -> str:
-    lines = [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']}, "
-             f"{s.get('pooling', 'last')} pooling)",
-             f"rows: {s['rows_used']} used, {s['rows_failed']} failed",
-             f"features: {s['features_s']:.1f} s; fit: {s['fit_s']:.1f} s"]
+    lines = [fit_search.format_table(s["candidates"], s["chosen"])] if s.get("candidates") else []
+    lines += [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']}, "
+              f"{s.get('pooling', 'last')} pooling)",
+              f"rows: {s['rows_used']} used, {s['rows_failed']} failed",
+              f"features: {s['features_s']:.1f} s; fit: {s['fit_s']:.1f} s"]
     if s.get("kfold_accuracy") is None:  # a label with one row: nothing to hold out
         lines.append(f"no cross-validation ({s.get('note', 'too few rows per label')}); C={s.get('C')}")
     else:

@@ -1,0 +1,95 @@
+"""`pipelines.fit` with no feature flags chooses the head's features by folds (#55.1): a few
+candidates read by one feature pass (each candidate's slice equal to its own forward, and
+cached equal to full re-encoding), fit on the same folds, timed on this machine, the most
+accurate or the cheapest within `--prefer`'s margin kept; the summary, the console and the
+head file say what was compared and chosen; explicit --layers/--pooling/--dtype skip it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from beam_prefix import PrefixClassifier, TaskSpec
+from beam_prefix.engines.feature_search import Candidate, candidates, choose, slice_features, union
+from beam_prefix.tasks.trained_head import TrainedHead
+from pipelines import fit
+
+from conftest import ROOT, TEXTS, tiny_task
+
+SAMPLE = os.path.join(ROOT, "pipelines", "data", "sample_tickets.csv")
+
+
+def test_the_candidates_are_the_issues_for_the_embedded_models_depth_and_fit_a_shallow_one():
+    assert [(c.layers, c.pooling) for c in candidates(30)] == [((1,), "mean"), ((6,), "mean"), ((6, 12), "mean"),
+                                                               ((-1,), "last")]
+    assert union(candidates(30)) == ((1, 6, 12, -1), "last+mean")
+    assert [(c.layers, c.pooling) for c in candidates(3)] == [((1,), "mean"), ((1, 2), "mean"), ((-1,), "last")]
+    assert [c.layers for c in candidates(1)] == [(-1,)]  # (layer 1 of 1 is the final state)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_sliding", "gpt2"])
+def test_each_candidates_slice_of_one_pass_is_its_own_forward_and_cached_equals_full(tiny_models, arch):
+    clf = PrefixClassifier(task=tiny_task(), loaded=tiny_models[arch], verify=False)
+    found = candidates(3)
+    layers, pooling = union(found)
+    both = np.asarray([e.features for e in clf.embed(TEXTS, layers=layers, pooling=pooling)])
+    full = np.asarray([e.features for e in clf.embed_full(TEXTS, layers=layers, pooling=pooling)])
+    np.testing.assert_allclose(both, full, atol=1e-4)  # the one pass: cached == re-encoding
+    for c in found:
+        alone = np.asarray([e.features for e in clf.embed(TEXTS, layers=c.layers, pooling=c.pooling)])
+        np.testing.assert_allclose(slice_features(both, layers, c), alone, atol=1e-5, err_msg=c.name)
+
+
+def test_choose_keeps_the_cheapest_within_the_margin_of_the_best():
+    a, b, c = Candidate((1,), "mean"), Candidate((6,), "mean"), Candidate((-1,), "last")
+    accuracy = {a: 0.910, b: 0.914, c: 0.916}
+    cost = {a: 1.0, b: 4.0, c: 20.0}
+    assert choose(accuracy, cost, "accuracy") == c
+    assert choose(accuracy, cost, "balanced") == b  # 0.914 is within 0.5 points of 0.916
+    assert choose(accuracy, cost, "cost") == a
+
+
+def test_fit_with_no_feature_flags_compares_the_candidates_from_one_pass(tiny_dir, tmp_path, monkeypatch, capsys):
+    built = []
+    real = fit.EmbedText
+
+    def recorded(**kwargs):
+        built.append((tuple(kwargs["layers"]), kwargs["pooling"]))
+        return real(**kwargs)
+
+    monkeypatch.setattr(fit, "EmbedText", recorded)
+    assert fit.main(["--runner=DirectRunner", f"--model={tiny_dir}", f"--input={SAMPLE}", "--label_column=label",
+                     f"--output={tmp_path}/h.head", f"--summary_output={tmp_path}/s.json", "--verify=false",
+                     "--folds=3"]) == 0
+    assert built == [((1, 2, -1), "last+mean")]  # one feature pass for every candidate
+    s = json.loads((tmp_path / "s.json").read_text())
+    rows = s["candidates"]
+    assert [(r["layers"], r["pooling"]) for r in rows] == [([1], "mean"), ([1, 2], "mean"), ([-1], "last")]
+    for r in rows:
+        assert r["dtype"] == "float32" and 0 <= r["fold_accuracy"] <= 1 and r["ms_per_row"] > 0
+        assert r["ngrams"] == (r["lexical_alpha"] > 0)
+    best = max(r["fold_accuracy"] for r in rows)
+    chosen = s["chosen"]
+    assert chosen["prefer"] == "balanced" and (s["layers"], s["pooling"]) == (chosen["layers"], chosen["pooling"])
+    near = [r for r in rows if r["fold_accuracy"] >= best - 0.005]
+    assert min(near, key=lambda r: r["ms_per_row"])["layers"] == chosen["layers"]
+    head = TrainedHead.load(tmp_path / "h.head")
+    assert list(head.layers) == chosen["layers"] and head.pooling == chosen["pooling"]
+    assert head.metrics["feature_search"]["chosen"] == chosen  # the head file records it
+    printed = capsys.readouterr().out
+    assert "features chosen by folds" in printed and "* layers" in printed
+    # the head answers where it was fit
+    task = TaskSpec.from_yaml(os.path.join(ROOT, "pipelines", "tasks", "support_tickets.yaml"))
+    PrefixClassifier.check_fits(task.replace(scoring="head", head=head, calibration=False), tiny_dir)
+
+
+@pytest.mark.parametrize("flag", ["--layers=-1", "--pooling=mean", "--dtype=float32"])
+def test_an_explicit_feature_flag_skips_the_search(flag, tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("pipelines.fit_search.ms_per_row", lambda *a, **k: pytest.fail("searched"))
+    summary = fit.run(["--runner=DirectRunner", f"--model={tiny_dir}", f"--input={SAMPLE}", "--label_column=label",
+                       f"--output={tmp_path}/h.head", "--verify=false", "--folds=3", flag])
+    assert "candidates" not in summary and summary["layers"] == [-1]
+    assert summary["pooling"] == ("mean" if flag == "--pooling=mean" else "last")
