@@ -77,7 +77,7 @@ def ms_per_row(model: str, dtype: str, task, texts: Sequence[str], found: Sequen
 def format_table(table: list[dict], chosen: dict) -> str:
     """The console's table of the candidates, the chosen one marked."""
     lines = [f"features chosen by folds (--prefer {chosen['prefer']}: the cheapest within "
-             f"{chosen['margin']:.1%} of the best):",
+             f"{chosen['margin'] * 100:g} points of the best fold accuracy):",
              "  candidate              fold acc.  hidden only  n-grams  ms/row"]
     for row in table:
         mark = "*" if (row["layers"], row["pooling"]) == (chosen["layers"], chosen["pooling"]) else " "
