@@ -34,7 +34,6 @@ import fnmatch
 import itertools
 import logging
 import os
-import posixpath
 import re
 import time
 import uuid

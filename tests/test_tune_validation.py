@@ -11,8 +11,6 @@ import json
 import logging
 import os
 
-import pytest
-
 from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.model.loading import load_model
 from beam_prefix.model.tuning_record import TUNING_FILE, read_record

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import torch
 
 from beam_prefix.tasks.cached_prompt import Answer
-from beam_prefix.errors import NonFiniteScoreError, TaskSpecError, VerificationError
+from beam_prefix.errors import NonFiniteScoreError, VerificationError
 from beam_prefix.engines.label_scorers import LabelScorer, build_scorer
 from beam_prefix.tasks.labels import label_token_ids
 from beam_prefix.engines.prefix_engine import VERIFY_PROBES, PrefixEngine
