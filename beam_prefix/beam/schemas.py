@@ -179,16 +179,18 @@ def bigquery_row(row: beam.Row) -> dict:
     """A `beam.Row` as BigQuery's JSON row (nested rows as dicts, bytes as base64)."""
     import base64
 
-    def value(v):
-        if isinstance(v, beam.Row):
-            return {k: value(x) for k, x in v.as_dict().items()}
-        if isinstance(v, (list, tuple)):
-            return [value(x) for x in v]
-        if isinstance(v, (bytes, bytearray)):
-            return base64.b64encode(bytes(v)).decode("ascii")
-        return v
+    return _as_dicts(row, lambda v: base64.b64encode(bytes(v)).decode("ascii")
+                     if isinstance(v, (bytes, bytearray)) else v)
 
-    return value(row)
+
+def _as_dicts(value, leaf=lambda v: v):
+    """`value` with every `beam.Row` in it as a dict and every sequence as a list; `leaf`
+    applied to everything else."""
+    if isinstance(value, beam.Row):
+        return {k: _as_dicts(x, leaf) for k, x in value.as_dict().items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_dicts(x, leaf) for x in value]
+    return leaf(value)
 
 
 # Beam's atomic types -> Arrow's (what WriteToParquet writes)
@@ -238,12 +240,4 @@ def _arrow_type(field_type):
 
 def parquet_row(row: beam.Row) -> dict:
     """A `beam.Row` as the dict ``WriteToParquet`` writes (nested rows as dicts)."""
-
-    def value(v):
-        if isinstance(v, beam.Row):
-            return {k: value(x) for k, x in v.as_dict().items()}
-        if isinstance(v, (list, tuple)):
-            return [value(x) for x in v]
-        return v
-
-    return value(row)
+    return _as_dicts(row)
