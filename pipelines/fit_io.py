@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import shutil
-import time
 import uuid
 
 import pyarrow as pa
@@ -25,7 +24,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from pipelines.paths import is_local, join, matches, split
+from pipelines.paths import RUN_TAG, entries, is_local, join, matches, new_run_tag, split
 
 __all__ = ["FeatureStaging", "write_head", "STAGING_PREFIX"]
 
@@ -52,24 +51,19 @@ class FeatureStaging:
     def __init__(self, output: str):
         self.directory, self.name = _split(output)
         self._prefix = f"{STAGING_PREFIX}{self.name}-"
-        self.path = join(self.directory, f"{self._prefix}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+        self.path = join(self.directory, f"{self._prefix}{new_run_tag()}")
 
     def prepare(self) -> None:
         """Create the head's folder if missing (as classify does for its outputs) and
         remove what an earlier fit of the same head that was killed left behind."""
         if is_local(self.directory):
             os.makedirs(self.directory, exist_ok=True)
-            stale = [os.path.join(self.directory, n) for n in os.listdir(self.directory)]
-        else:
-            stale = sorted({self._folder_of(p) for p in matches(join(self.directory, self._prefix + "*"))})
         # (exactly this head's: a fit of head "a" never removes the staging of a fit of "a-b")
-        ours = re.compile(re.escape(self._prefix) + r"\d{8}-\d{6}-[0-9a-f]{8}")
-        for folder in [f for f in stale if ours.fullmatch(split(f)[1]) and f != self.path]:
-            _LOGGER.info("removing %s, left by an earlier fit of %s that did not finish", folder, self.name)
-            self._delete(folder)
-
-    def _folder_of(self, path: str) -> str:
-        return join(self.directory, path[len(self.directory):].lstrip("/").split("/")[0])
+        ours = re.compile(re.escape(self._prefix) + RUN_TAG)
+        for folder in entries(self.directory, self._prefix + "*"):
+            if ours.fullmatch(split(folder)[1]) and folder != self.path:
+                _LOGGER.info("removing %s, left by an earlier fit of %s that did not finish", folder, self.name)
+                self._delete(folder)
 
     @property
     def features(self) -> str:

@@ -3,13 +3,24 @@ operations publishing, the read/write check and fit's staging all need, written 
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import posixpath
 import stat
+import time
+import uuid
 
 from apache_beam.io.filesystems import FileSystems
 
-__all__ = ["is_local", "split", "join", "matches", "regular_files"]
+__all__ = ["is_local", "split", "join", "matches", "entries", "regular_files", "new_run_tag", "RUN_TAG"]
+
+# a staging folder's run part (publishing's and fit's): when, and a random tag
+RUN_TAG = r"\d{8}-\d{6}-[0-9a-f]{8}"
+
+
+def new_run_tag() -> str:
+    """A run's `RUN_TAG`: its start time and a random tag."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 
 def is_local(path: str) -> bool:
@@ -36,6 +47,23 @@ def matches(pattern: str) -> list[str]:
         return [m.path for m in FileSystems.match([pattern])[0].metadata_list]
     except Exception:  # noqa: BLE001 - nothing there
         return []
+
+
+def entries(directory: str, pattern: str) -> list[str]:
+    """The names directly in `directory` matching `pattern`, files and folders (on an object
+    store, the folders that objects under the pattern imply); none where nothing is there."""
+    if is_local(directory):
+        try:
+            return [os.path.join(directory, n) for n in os.listdir(directory) if fnmatch.fnmatchcase(n, pattern)]
+        except OSError:
+            return []
+    try:
+        found = FileSystems.match([join(directory, pattern)])[0].metadata_list
+        found += FileSystems.match([join(directory, pattern + "/**")])[0].metadata_list
+    except Exception:  # noqa: BLE001 - nothing there
+        return []
+    base = directory.rstrip("/") + "/"
+    return sorted({base + m.path[len(base):].split("/")[0] for m in found if m.path.startswith(base)})
 
 
 def regular_files(paths: list[str], flag: str) -> list[str]:

@@ -35,12 +35,10 @@ import itertools
 import logging
 import os
 import re
-import time
-import uuid
 
 from apache_beam.io.filesystems import FileSystems
 
-from pipelines.paths import is_local as _local, join as _join, split as _split
+from pipelines.paths import RUN_TAG, entries, is_local as _local, join as _join, new_run_tag, split as _split
 
 __all__ = ["Output", "Staging", "OutputLocationError", "PublishError", "SHARD_TEMPLATE"]
 
@@ -49,7 +47,6 @@ STAGING_PREFIX = ".beam-prefix-staging-"
 _REPLACED = ".replaced"  # inside a staging directory: files a publish moved aside
 # Beam's default shard name template (-SSSSS-of-NNNNN): 5 digits, more past 99,999 shards
 SHARD_TEMPLATE = r"-\d{5,}-of-\d{5,}"
-_RUN = r"\d{8}-\d{6}-[0-9a-f]{8}"  # a staging directory's run part: time and a random tag
 
 
 class OutputLocationError(ValueError):
@@ -124,7 +121,7 @@ class Staging:
     """
 
     def __init__(self, outputs: list[Output]):
-        run = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        run = new_run_tag()
         self.outputs = list(outputs)
         self._keep = False
         self._dirs: dict[str, str] = {}  # final directory -> its staging directory
@@ -161,8 +158,8 @@ class Staging:
         removed = []
         for final_dir, own in self._dirs.items():
             names = [re.escape(o.name) for o in self.outputs if _same_dir(o.directory, final_dir)]
-            stale = re.compile(re.escape(STAGING_PREFIX) + f"({'|'.join(names)})-{_RUN}")
-            for entry in _entries(final_dir, STAGING_PREFIX + "*"):
+            stale = re.compile(re.escape(STAGING_PREFIX) + f"({'|'.join(names)})-{RUN_TAG}")
+            for entry in entries(final_dir, STAGING_PREFIX + "*"):
                 if entry != own and stale.fullmatch(_split(entry)[1]):
                     _LOGGER.info("removing %s, left by an earlier run into the same output that was killed", entry)
                     try:
@@ -297,20 +294,3 @@ def _list(directory: str, pattern: str = "*") -> list[str]:
         return []
     return [m.path for m in metadata if not _split(m.path)[1].startswith("beam-temp")
             and not (_local(m.path) and os.path.isdir(m.path))]
-
-
-def _entries(directory: str, pattern: str) -> list[str]:
-    """The names directly in `directory` matching `pattern` (files and folders; on an object
-    store, the folders that objects under the pattern imply)."""
-    if _local(directory):
-        try:
-            return [os.path.join(directory, n) for n in os.listdir(directory) if fnmatch.fnmatchcase(n, pattern)]
-        except OSError:
-            return []
-    try:
-        found = FileSystems.match([_join(directory, pattern)])[0].metadata_list
-        found += FileSystems.match([_join(directory, pattern + "/**")])[0].metadata_list
-    except Exception:  # noqa: BLE001 - nothing there
-        return []
-    base = directory.rstrip("/") + "/"
-    return sorted({base + m.path[len(base):].split("/")[0] for m in found if m.path.startswith(base)})
