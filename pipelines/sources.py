@@ -11,6 +11,7 @@ schema (Parquet, a BigQuery table), so outputs keep those types.
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import json
@@ -311,7 +312,7 @@ def _csv_headers(pattern: str) -> list[str] | None:
             bad = next(h for h in header if _has_surrogates([h]))
             raise ValueError(f"--input: {path} line 1 (the CSV header) has bytes that are not UTF-8, in column "
                              f"{_readable([bad])[0]!r}; re-encode the file as UTF-8")
-        twice = sorted({h for h in header if header.count(h) > 1})
+        twice = sorted(h for h, n in collections.Counter(header).items() if n > 1)  # (a 1 MB header: linear)
         if twice:  # a row's dict would keep only the last column of the name
             raise ValueError(f"--input: {path}: the CSV header names column(s) {_readable(twice)} more than once; "
                              f"give each column its own name")
