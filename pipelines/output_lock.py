@@ -74,14 +74,21 @@ class FileLock:
     def __init__(self, path: str, *, flag: str, output: str):
         self.path, self.flag, self.output = path, flag, output
         self._fd: int | None = None
+        self._made: list[str] = []  # folders the lock created, deepest first: removed if left empty
 
     def acquire(self) -> None:
         import fcntl
 
+        folder = os.path.abspath(os.path.dirname(self.path) or ".")
+        while not os.path.exists(folder):
+            self._made.append(folder)
+            folder = os.path.dirname(folder)
         while True:
             try:
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # a run that made the folder removed it, empty, as it ended
+                continue
             except OSError as e:  # (as `Staging.preflight` says it, which would come next)
                 raise OutputLocationError(f"{self.flag}={self.output}: cannot write to "
                                           f"{os.path.dirname(self.path)!r} ({type(e).__name__}: {e.strerror or e})"
@@ -115,6 +122,9 @@ class FileLock:
             os.remove(self.path)  # while still held: a run waiting to open it opens a new file
         os.close(self._fd)
         self._fd = None
+        for folder in self._made:  # a run refused or failed leaves no folder it made (rmdir: only when empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 def _read_local(path: str) -> dict | None:
