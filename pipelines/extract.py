@@ -86,7 +86,7 @@ def extraction_task(options: PipelineOptions) -> ExtractionSpec:
 def extract_transform(options: PipelineOptions, task: ExtractionSpec, keep_columns=None) -> ExtractFields:
     """The `ExtractFields` the flags describe, for `task` (read in the launcher)."""
     o = options.view_as(StepOptions)
-    return ExtractFields(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column, dtype=o.dtype,
+    return ExtractFields(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column, dtype=o.dtype or "float32",
                          threads=o.torch_threads, min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size,
                          batch_size=o.batch_size or 64, max_text_tokens=o.max_text_tokens, overflow=o.overflow,
                          max_new_tokens=options.view_as(ExtractOptions).max_new_tokens, verify=o.verify == "true",

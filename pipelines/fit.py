@@ -42,8 +42,8 @@ from pipelines.fit_io import FeatureStaging, write_head
 from pipelines.launch import exit_process, in_process_main, run_to_end
 from pipelines.local_rows import local_columns, local_paths
 from pipelines.summary import write_json
-from pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_unknown_flags, task_path,
-                               task_without_head)
+from pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_local_paths, refuse_unknown_flags,
+                               task_path, task_without_head)
 from pipelines.publish import Output
 from pipelines.launch_checks import hold_outputs, refuse_collisions, refuse_overlap, run_reads
 from pipelines.sources import input_format, read_rows, require_columns, input_schema
@@ -69,12 +69,12 @@ class FitOptions(PipelineOptions):
         group.add_argument("--layers", default=None,
                            help="pipelines.fit: hidden-state indices the head reads, comma-separated: -1 the final "
                                 "normalised state; e.g. -1,20 adds layer 20. Default: chosen by folds with the "
-                                "pooling among a few candidates (see --prefer), unless --layers, --pooling or "
-                                "--dtype is given (then -1).")
+                                "pooling among a few candidates (see --prefer), in --dtype's precision, unless "
+                                "--layers or --pooling is given (then -1).")
         group.add_argument("--pooling", default=None, choices=("last", "mean"),
                            help="pipelines.fit: the hidden states at each row's last position (last) or their mean "
                                 "over the row's own (suffix) positions (mean). Default: chosen by folds with the "
-                                "layers, unless --layers, --pooling or --dtype is given (then last).")
+                                "layers, unless --layers or --pooling is given (then last).")
         group.add_argument("--prefer", default="balanced", choices=("accuracy", "balanced", "cost"),
                            help="pipelines.fit, features chosen by folds: the most accurate candidate (accuracy), "
                                 "or the cheapest per row within 0.5 (balanced, default) or 2 (cost) points of "
@@ -130,13 +130,16 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         raise ValueError(f"--output={o.output!r} is a directory; give the head file's path, e.g. support.head")
     if f.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {f.folds}")
+    refuse_local_paths(options, ("output", "summary_output"))  # on Dataflow: its workers stage beside --output
     defaults = PipelineOptions([]).view_as(StepOptions)
     given = [name for name in NOT_FOR_FIT if getattr(o, name) != getattr(defaults, name)]
     if given:
         raise ValueError(f"--{given[0]} does not apply to pipelines.fit: it writes one head file (--output) "
                          f"and, with --summary_output, its summary JSON; it writes no rows")
-    # no feature flag: the features are chosen by folds (pipelines.fit_search)
-    search = f.layers is None and f.pooling is None and not any(a.split("=")[0] == "--dtype" for a in argv)
+    # no feature flag: the features are chosen by folds (pipelines.fit_search), in the
+    # precision --dtype names (it changes each candidate's cost, not which are compared)
+    search = f.layers is None and f.pooling is None
+    o.dtype = o.dtype or "float32"  # (a fit makes the head: no head's precision to follow)
     layers = None if search else parse_layers(f.layers or "-1")
     task_file = task_path(o.task or "support_tickets")
     # the head this run writes may replace the one the task names (not read here), never
@@ -241,7 +244,8 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | Non
         else:
             head = fit_head(features, labels, hashes, task, layers=layers,
                             fingerprint=feature_fingerprint(prompt, precision_of(o.dtype), layers, pooling),
-                            folds=f.folds, pooling=pooling, texts=texts if f.lexical == "true" else None, extra=extra)
+                            folds=f.folds, pooling=pooling, texts=texts if f.lexical == "true" else None, extra=extra,
+                            dtype=o.dtype)
     finally:
         staging.delete()
     write_head(head, o.output)  # all or nothing

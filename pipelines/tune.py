@@ -23,8 +23,9 @@ local input files (CSV, JSON Lines, Parquet: `pipelines.local_rows`), holds out 
    keeps the tuned model unproven).
 
 Tuning runs in float32 on the CPU; `--dtype bfloat16` fits both heads on the
-model loaded in that precision, so the written head answers with the tuned model loaded as
-``--dtype bfloat16`` (a head answers only in the precision it was fit in).
+model loaded in that precision, so the written head answers with the tuned model loaded in
+bfloat16 (a head answers only in the precision it was fit in; it records it, and classify
+runs in it when given no --dtype).
 
 `--output` is a new directory (it must not exist, or be empty; so it is never a path the run
 reads), written all or nothing: the tuned model (safetensors, tokenizer, tuning record), the
@@ -78,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="The directory to write (must not exist, or be empty).")
     p.add_argument("--model", default="embedded", help="The model to tune: 'embedded', a local directory, a hub id.")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="Precision the heads are fit in, so the one the tuned model answers in (classify with the "
-                        "same --dtype); the tuning itself runs in float32. float16 is refused: this runs on the CPU.")
+                   help="Precision the heads are fit in, so the one the tuned model answers in (the head records "
+                        "it: classify runs in it by default); the tuning itself runs in float32. float16 is refused: this runs on the CPU.")
     p.add_argument("--layers", default=None,
                    help="Hidden-state indices the head reads, comma-separated (default: the task's head's, else -1).")
     p.add_argument("--pooling", default=None, choices=("last", "mean"),
@@ -341,16 +342,15 @@ def _task_yaml(task_file: str, data: dict, name: str, head_name: str, model: str
     """The task file's task (parsed: ``data``), answered by the head beside it: on the tuned
     model of this directory, or (`tuned` false: the tuning lost on the held-out rows) on the
     base model, which the task file then names."""
-    half = "" if dtype == "float32" else f" --dtype {dtype}"
     keep = {k: v for k, v in data.items() if k not in ("head", "scoring", "calibration", "model")}
     if tuned:
         data = {**keep, "name": name, "scoring": "head", "head": head_name}
         said = (f"its head answers only with the\n# tuned model of this directory (model id {model}) in {dtype}; run "
-                f"with --model <this directory>{half}.")
+                f"with --model <this directory>.")
     else:
         data = {**keep, "name": name, "model": model, "scoring": "head", "head": head_name}
         said = (f"the tuning did not beat the\n# untuned head on held-out rows, so this is the untuned head, on model "
-                f"{model} in {dtype}; run with --task <this file>{half}.")
+                f"{model} in {dtype}; run with --task <this file>.")
     return (f"# Written by pipelines.tune from {os.path.basename(task_file)}: {said}\n"
             + yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _format(s: dict) -> str:
     b, t, v = s["base_head"], s["tuned_head"], s.get("validation")
-    answer = "" if s["dtype"] == "float32" else f" (fit in {s['dtype']}: classify with --dtype {s['dtype']})"
+    answer = "" if s["dtype"] == "float32" else f" (fit in {s['dtype']}, which classify follows)"
     tuning = (f"layers 1-{s['tuned_layers']} tuned on {s['tuning_rows']} rows, {s['epochs']} epochs, "
               f"{s['tune_s']:.0f} s, loss {s['losses'][0]} -> {s['losses'][-1]}")
     checked = "" if v is None else (

@@ -2,7 +2,9 @@
 candidates read by one feature pass (each candidate's slice equal to its own forward, and
 cached equal to full re-encoding), fit on the same folds, timed on this machine, the most
 accurate or the cheapest within `--prefer`'s margin kept; the summary, the console and the
-head file say what was compared and chosen; explicit --layers/--pooling/--dtype skip it."""
+head file say what was compared and chosen; explicit --layers/--pooling skip it, and
+--dtype names the precision it searches in, which the head records and a classifier given
+no dtype then runs in (#56.7: another is refused where it is built)."""
 
 from __future__ import annotations
 
@@ -86,10 +88,64 @@ def test_fit_with_no_feature_flags_compares_the_candidates_from_one_pass(tiny_di
     PrefixClassifier.check_fits(task.replace(scoring="head", head=head, calibration=False), tiny_dir)
 
 
-@pytest.mark.parametrize("flag", ["--layers=-1", "--pooling=mean", "--dtype=float32"])
+@pytest.mark.parametrize("flag", ["--layers=-1", "--pooling=mean"])
 def test_an_explicit_feature_flag_skips_the_search(flag, tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("pipelines.fit_search.ms_per_row", lambda *a, **k: pytest.fail("searched"))
     summary = fit.run(["--runner=DirectRunner", f"--model={tiny_dir}", f"--input={SAMPLE}", "--label_column=label",
                        f"--output={tmp_path}/h.head", "--verify=false", "--folds=3", flag])
     assert "candidates" not in summary and summary["layers"] == [-1]
     assert summary["pooling"] == ("mean" if flag == "--pooling=mean" else "last")
+
+
+def test_dtype_searches_in_that_precision_and_the_head_carries_it_to_classify(tiny_dir, tmp_path):
+    from beam_prefix.transforms import ClassifyText
+    from beam_prefix.beam.handler import PrefixCachedModelHandler
+
+    summary = fit.run(["--runner=DirectRunner", f"--model={tiny_dir}", f"--input={SAMPLE}", "--label_column=label",
+                       f"--output={tmp_path}/h.head", "--verify=false", "--folds=3", "--dtype=bfloat16"])
+    assert summary["candidates"] and {r["dtype"] for r in summary["candidates"]} == {"bfloat16"}
+    head = TrainedHead.load(tmp_path / "h.head")
+    assert head.dtype == "bfloat16"
+    task = TaskSpec.from_yaml(os.path.join(ROOT, "pipelines", "tasks", "support_tickets.yaml"))
+    task = task.replace(scoring="head", head=head, calibration=False, model=tiny_dir)
+    # no dtype: the head's; its fingerprint check (which refuses another precision) passes
+    assert ClassifyText(task=task).config.dtype == "bfloat16"
+    assert PrefixCachedModelHandler(task=task)._dtype == "bfloat16"
+    clf = PrefixClassifier.load(task, verify=False)
+    assert clf.model_id and [p.label for p in clf.classify(TEXTS[:2])][0] in task.label_names
+    # another precision named: refused where the step is built, naming both
+    for build in (lambda: ClassifyText(task=task, dtype="float32"),
+                  lambda: PrefixCachedModelHandler(task=task, dtype="float32"),
+                  lambda: PrefixClassifier.load(task, dtype="float32", verify=False)):
+        with pytest.raises(ValueError, match="fit in bfloat16"):
+            build()
+
+
+def test_a_head_without_a_recorded_dtype_runs_in_float32(tiny_dir, tmp_path):
+    """Heads written before heads recorded their precision (the fields absent) keep
+    today's default, float32, and any dtype may be named (the fingerprint still checks)."""
+    from beam_prefix.transforms import ClassifyText
+    from beam_prefix import fit_head
+    from beam_prefix.model import load_model
+    from beam_prefix.tasks.trained_head import dtype_for
+
+    clf = PrefixClassifier(task=tiny_task(), loaded=load_model(tiny_dir), verify=False)
+    names = clf.task.label_names
+    head = fit_head(clf, TEXTS * 2, [names[i % len(names)] for i in range(len(TEXTS) * 2)], folds=2)
+    assert head.dtype == "float32"
+    head.dtype = None
+    head.save(tmp_path / "old.head")
+    old = TrainedHead.load(tmp_path / "old.head")
+    assert old.dtype is None and dtype_for([old], None) == "float32" and dtype_for([old], "bfloat16") == "bfloat16"
+    task = clf.task.replace(scoring="head", head=old, model=tiny_dir)
+    assert ClassifyText(task=task).config.dtype == "float32"
+    with pytest.raises(ValueError, match="different dtypes"):
+        dtype_for([old, _as(head, "float32"), _as(head, "bfloat16")], None)
+
+
+def _as(head, dtype):
+    import copy
+
+    other = copy.copy(head)
+    other.dtype = dtype
+    return other

@@ -100,14 +100,17 @@ def test_a_head_fit_in_one_precision_is_refused_in_the_other_at_launch_and_on_th
         task = tiny_task().replace(scoring="head", head=head)
         with pytest.raises(TaskSpecError, match="was fit on features"):
             PrefixClassifier(task=task, loaded=other, verify=False)
-        with pytest.raises(TaskSpecError, match="was fit on features"):
+        with pytest.raises(ValueError, match=f"was fit in {head.dtype}"):  # the head records its precision
             PrefixClassifier.check_fits(task, tiny_dir, dtype=other_dtype)
+        PrefixClassifier.check_fits(task, tiny_dir)  # given none: the head's
         PrefixClassifier.check_fits(task, tiny_dir, dtype="float32" if head is fp32_head else "bf16")
         answered = PrefixClassifier(task=task, loaded=loaded, verify=True)  # its own precision: answers
         assert answered.mode == "head" and {p.label for p in answered.classify(TEXTS)} <= set(LABELS)
 
 
 def test_pipelines_fit_in_bfloat16_gives_a_head_that_classify_runs_in_bfloat16_only(tiny_dir, tmp_path, capsys):
+    """Classify follows the head's precision when given no --dtype, and refuses another
+    one at launch, before any worker."""
     import os
 
     from pipelines import classify, fit
@@ -122,10 +125,12 @@ def test_pipelines_fit_in_bfloat16_gives_a_head_that_classify_runs_in_bfloat16_o
     (tmp_path / "task.yaml").write_text(text.replace("scoring: auto", "scoring: head\nhead: support.head"))
     common = ["--runner=DirectRunner", f"--task={tmp_path}/task.yaml", f"--input={sample}", f"--model={tiny_dir}"]
     capsys.readouterr()
-    assert classify.main([*common, f"--output={tmp_path}/fp32/"]) == 2  # refused at launch, before any worker
-    assert "was fit on features" in capsys.readouterr().err
-    summary = classify.run([*common, "--dtype=bfloat16", f"--output={tmp_path}/bf16/"])
-    assert summary["labeled"] == 60 and summary["failed"] == 0
+    assert classify.main([*common, "--dtype=float32", f"--output={tmp_path}/fp32/"]) == 2  # refused at launch
+    assert "was fit in bfloat16" in capsys.readouterr().err
+    assert not (tmp_path / "fp32").exists()
+    for flags in (["--dtype=bfloat16"], []):  # named, or followed
+        summary = classify.run([*common, *flags, f"--output={tmp_path}/bf16{len(flags)}/"])
+        assert summary["labeled"] == 60 and summary["failed"] == 0
 
 
 def test_on_the_embedded_model_half_linears_stay_close_to_float32(embedded):

@@ -216,14 +216,18 @@ def test_pipelines_tune_dtype_fits_the_heads_in_that_precision_and_the_head_answ
     assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
                       f"--model={tiny_dir}", "--layers=1", "--pooling=mean", "--epochs=1", "--folds=2",
                       "--dtype=bfloat16", "--holdout=0"]) == 0
-    assert "classify with --dtype bfloat16" in capsys.readouterr().out
+    assert "fit in bfloat16, which classify follows" in capsys.readouterr().out
     task = TaskSpec.from_yaml(out / "support_tickets.yaml")
-    assert "--dtype bfloat16" in (out / "support_tickets.yaml").read_text(encoding="utf-8")
+    assert task.head.dtype == "bfloat16" and "in bfloat16" in (out / "support_tickets.yaml").read_text(encoding="utf-8")
     clf = PrefixClassifier(task=task, loaded=load_model(str(out), dtype="bfloat16"), verify=True)
     assert clf.mode == "head" and {p.label for p in clf.classify(TEXTS)} <= set(LABELS)
     PrefixClassifier.check_fits(task, str(out), dtype="bfloat16")
+    PrefixClassifier.check_fits(task, str(out))  # no dtype: the head's
+    with pytest.raises(ValueError, match="fit in bfloat16"):
+        PrefixClassifier.check_fits(task, str(out), dtype="float32")  # float32 features: not the head's
+    # the fingerprint still refuses float32 features where the head's dtype is not consulted
     with pytest.raises(TaskSpecError, match="was fit on features"):
-        PrefixClassifier.check_fits(task, str(out))  # float32 features: not the head's
+        PrefixClassifier(task=task, loaded=load_model(str(out)), verify=False)
 
 
 def test_pipelines_tune_in_half_precision_writes_nothing_when_the_written_heads_self_check_fails(

@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from pipelines.options import ClassifyOptions, StepOptions
 
 from conftest import ROOT
@@ -98,12 +100,12 @@ def test_metadata_regexes_accept_every_choice_and_reject_junk():
     assert not any(r.fullmatch("output/labeled") for r in by_name["output"])  # workers need gs://
 
 
-def test_one_beam_version_in_setup_dockerfile_and_readme():
+def test_one_beam_version_in_setup_dockerfile_and_docs():
     setup = (ROOT / "setup.py").read_text(encoding="utf-8")
     version = re.search(r'BEAM_VERSION = "([\d.]+)"', setup).group(1)
     docker = (TEMPLATES / "Dockerfile").read_text(encoding="utf-8")
     assert set(re.findall(r"ARG BEAM_VERSION=([\d.]+)", docker)) == {version}
-    assert f"apache-beam[gcp]=={version}" in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"apache-beam[gcp]=={version}" in (ROOT / "docs" / "scale.md").read_text(encoding="utf-8")
     for source in re.findall(r"^COPY (?!--from)(\S+)", docker, flags=re.M):
         assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
     entry = re.search(r'FLEX_TEMPLATE_PYTHON_PY_FILE="\$\{WORKDIR\}/(\S+)"', docker).group(1)
@@ -127,3 +129,83 @@ def test_installed_package_runs_from_any_directory(tmp_path):
                             "beam_prefix.__file__)"], cwd=elsewhere, env=env, check=True,
                            capture_output=True, text=True).stdout
     assert str(ROOT) not in where and str(target) in where
+
+
+def _template_params(name: str) -> dict:
+    with open(TEMPLATES / name, encoding="utf-8") as f:
+        return {p["name"]: [re.compile(r) for r in p["regexes"]] for p in json.load(f)["parameters"]}
+
+
+def _cli_accepts_task(kind: str, value: str) -> bool:
+    """What each pipeline's own task check says of a --task value (#56.5)."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from beam_prefix import TaskSpec
+    from pipelines.extract import extraction_task
+    from pipelines.options import classify_transform, task_path
+
+    try:
+        if kind == "extract":
+            extraction_task(PipelineOptions([f"--task={value}"]))
+        elif kind == "classify":
+            classify_transform(PipelineOptions([f"--task={value}"]))
+        else:  # fit reads the task as a classification task (pipelines.options.task_without_head)
+            TaskSpec.from_yaml(task_path(value))
+    except ValueError:
+        return False
+    return True
+
+
+TEMPLATE_KINDS = {"metadata.json": "classify", "extract_metadata.json": "extract", "fit_metadata.json": "fit"}
+
+
+@pytest.mark.parametrize("template", list(TEMPLATE_KINDS))
+def test_each_template_accepts_the_shipped_tasks_its_cli_accepts_and_no_other(template):
+    kind = TEMPLATE_KINDS[template]
+    regexes = _template_params(template)["task"]
+    names = sorted(p.stem for p in (ROOT / "pipelines" / "tasks").glob("*.yaml"))
+    assert "ticket_fields" in names and "support_tickets_head" in names
+    for name in names:
+        by_regex = any(r.fullmatch(name) for r in regexes)
+        assert by_regex == _cli_accepts_task(kind, name), (template, name, by_regex)
+
+
+@pytest.mark.parametrize("template", list(TEMPLATE_KINDS))
+def test_each_templates_paths_and_model_agree_with_its_cli_on_dataflow(template, tmp_path):
+    """A Flex Template runs its pipeline on Dataflow: its regexes accept the outputs and
+    models the CLI accepts there (gs://, embedded, a hub id) and refuse what it refuses there
+    (local outputs, a local model directory or .gguf file), both ways."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from pipelines.options import refuse_local_paths
+
+    params = _template_params(template)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    samples = {"output": ["gs://b/out/labeled", "output/labeled", str(tmp_path / "out")],
+               "failed_output": ["gs://b/out/failed", "output/failed"],
+               "summary_output": ["gs://b/out/summary.json", "output/summary.json"],
+               "model": ["embedded", "gs://b/models/qwen", "Qwen/Qwen2.5-0.5B-Instruct", str(tmp_path / "model"),
+                         str(tmp_path / "model.gguf")]}
+    flags = ("output", "summary_output") if TEMPLATE_KINDS[template] == "fit" else (
+        "output", "failed_output", "summary_output")
+    for name, values in samples.items():
+        if name not in params:
+            continue
+        for value in values:
+            options = PipelineOptions(["--runner=DataflowRunner", f"--{name}={value}"])
+            try:
+                refuse_local_paths(options, flags)
+                cli = True
+            except ValueError:
+                cli = False
+            assert any(r.fullmatch(value) for r in params[name]) == cli, (template, name, value, cli)
+
+
+def test_fit_refuses_a_local_output_on_dataflow_before_any_work(tmp_path):
+    from pipelines import fit
+
+    with pytest.raises(ValueError, match="Dataflow workers cannot write"):
+        fit.run(["--runner=DataflowRunner", "--label_column=label", f"--output={tmp_path}/h.head",
+                 f"--input={ROOT}/pipelines/data/sample_tickets.csv"])
+    assert not list(tmp_path.iterdir())

@@ -24,8 +24,10 @@ from beam_prefix.beam.prefix_pool import DEFAULT_MAX_PREFIX_CACHE_MB
 from beam_prefix.beam.routing import BatchPerTask, KeyByTask, RoutedClassifyDoFn, TaskRoutes, load_tasks
 from beam_prefix.beam.schemas import input_fields, labeled_type
 from beam_prefix.beam.step import (FAILED_TAG, StepResult, as_rows, batched_step, batching_args, refuse_clashing_fields,
+                                   refuse_missing_text,
                                    refuse_runner, with_timestamp)
 from beam_prefix.tasks.task import TaskSpec
+from beam_prefix.tasks.trained_head import dtype_for
 
 __all__ = ["ClassifyText", "ClassifyResult", "batched_step", "batching_args", "as_rows"]
 
@@ -45,9 +47,10 @@ class ClassifyText(beam.PTransform):
             ``.gguf`` file, a ``gs://`` directory or a hub id.
         text_column: column holding the text.
         id_column: optional id column echoed in failed rows.
-        dtype: ``float32`` (exact, default), ``bfloat16`` or (on GPUs) ``float16`` (the
-            linear layers in half precision, the rest float32; a head answers only in the
-            precision it was fit in).
+        dtype: ``float32`` (exact), ``bfloat16`` or (on GPUs) ``float16`` (the linear
+            layers in half precision, the rest float32). Default: the precision the task's
+            head was fit in, else float32; a head answers only in its own, so another is
+            refused here (`trained_head.dtype_for`).
         threads: torch intra-op threads per worker process (default None: all cores or
             one thread, whichever the step's batches run faster with; `beam.thread_choice`).
         min_batch_size, max_batch_size: `beam.BatchElements` bounds (max defaults to
@@ -74,11 +77,11 @@ class ClassifyText(beam.PTransform):
             ``task_version``, ``prompt_fingerprint``, ``model``). Default: none, unless the
             input already has such columns (an earlier step's): then ``classify_``.
         device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``: where each worker
-            process places the model (README, "GPU workers").
+            process places the model (docs/scale.md, "GPU workers").
         output_features: add a ``features`` column (a list of floats): each row's features
             from the same pass (`beam_prefix.beam.embed_transform`; what a trained head reads).
         suffix_pass: ``packed`` (default), ``buckets`` or ``graphs``: on a GPU, ``graphs``
-            replays each batch's pass as a CUDA graph (README, "GPU workers"; needs
+            replays each batch's pass as a CUDA graph (docs/scale.md, "GPU workers"; needs
             ``device`` cuda, cuda:N or auto, and a worker without a GPU runs packed).
 
     Returns:
@@ -88,8 +91,8 @@ class ClassifyText(beam.PTransform):
         `beam_prefix.beam.schemas`); dict rows give dicts.
     """
 
-    def __init__(self, *, task: TaskSpec | str | os.PathLike | None = None, model: str | None = None,
-                 text_column: str = "text", id_column: str | None = None, dtype: str = "float32",
+    def __init__(self, task: TaskSpec | str | os.PathLike | None = None, *, model: str | None = None,
+                 text_column: str = "text", id_column: str | None = None, dtype: str | None = None,
                  threads: int | None = None, min_batch_size: int | None = None,
                  max_batch_size: int | None = None,
                  batch_size: int = 16, max_text_tokens: int | None = None, overflow: str | None = None,
@@ -118,6 +121,7 @@ class ClassifyText(beam.PTransform):
                 raise ValueError(f"the tasks name different models {sorted(models)}; one step runs one model: "
                                  f"pass model=")
             model = models.pop()
+        dtype = dtype_for((spec.head for spec in specs.values()), dtype)  # a head's own, else float32
         self._batching = batching_args(batch_size, min_batch_size, max_batch_size, max_batch_duration_secs)
         base = dict(model=model, text_column=text_column, id_column=id_column, dtype=dtype, threads=threads,
                     batch_size=batch_size, verify=verify, top_k=top_k, prob_columns=prob_columns,
@@ -141,6 +145,7 @@ class ClassifyText(beam.PTransform):
     def expand(self, rows):
         refuse_runner(rows, self.label)
         fields = input_fields(rows.element_type)
+        refuse_missing_text(self._config, fields, self.label)
         names = [name for name, _ in fields or ()]
         # schema'd input: an earlier step's metadata columns are known now (dict rows: per row)
         config = self._config.for_input(names)

@@ -114,7 +114,7 @@ class EmbedText(PrefixStep):
             the final normalised state; e.g. ``(-1, 20)`` adds layer 20's output).
         pooling: ``last`` (default) reads them at the row's last position; ``mean``
             averages them over the row's suffix positions (its text and the template's
-            closing tokens), which a head reads better from (README, Trained heads).
+            closing tokens), which a head reads better from (docs/heads.md).
         model, text_column, id_column, dtype, threads, batch_size, min_batch_size,
             max_batch_size, max_batch_duration_secs, max_text_tokens, overflow, verify,
             keep_columns, metadata_prefix, device: as for `ClassifyText`.
@@ -124,7 +124,7 @@ class EmbedText(PrefixStep):
         outputs (``features: List[float]``).
     """
 
-    def __init__(self, *, task: TaskSpec | str | os.PathLike, layers: Sequence[int] = (-1,), model: str | None = None,
+    def __init__(self, task: TaskSpec | str | os.PathLike, *, layers: Sequence[int] = (-1,), model: str | None = None,
                  text_column: str = "text", id_column: str | None = None, dtype: str = "float32",
                  threads: int | None = None, batch_size: int = 16, min_batch_size: int | None = None,
                  max_batch_size: int | None = None, max_batch_duration_secs: float | None = None,

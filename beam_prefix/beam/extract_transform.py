@@ -129,7 +129,7 @@ class ExtractFields(PrefixStep):
         outputs (`extracted_type`; ``failed`` as for `ClassifyText`).
     """
 
-    def __init__(self, *, task: ExtractionSpec | str | os.PathLike, model: str | None = None,
+    def __init__(self, task: ExtractionSpec | str | os.PathLike, *, model: str | None = None,
                  text_column: str = "text", id_column: str | None = None, dtype: str = "float32",
                  threads: int | None = None, min_batch_size: int | None = None, max_batch_size: int | None = None,
                  max_batch_duration_secs: float | None = None, batch_size: int = 64,

@@ -39,6 +39,7 @@ from beam_prefix.model.loading import EMBEDDED, check_device, load_tokenizer
 from beam_prefix.model.suffix_graphs import check_suffix_pass
 from beam_prefix.tasks.prompt import EncodedText, PromptLayout
 from beam_prefix.tasks.task import TaskSpec
+from beam_prefix.tasks.trained_head import dtype_for
 
 __all__ = ["PrefixCachedModelHandler", "KeyedPrefixCachedModelHandler", "ServedClassifier", "TextValidator",
            "ValidText"]
@@ -127,7 +128,7 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
         dtype, threads, device: as for `PrefixClassifier.load` (``device``: ``cpu``,
             ``cuda``, ``cuda:N`` or ``auto``).
         suffix_pass: ``packed`` (default), ``buckets`` or ``graphs`` (CUDA graphs; not with
-            ``device="cpu"``; with ``auto`` on a machine without a GPU, packed): README,
+            ``device="cpu"``; with ``auto`` on a machine without a GPU, packed): docs/scale.md,
             "GPU workers".
         batch_size: rows per forward pass; also the default `max_batch_size`.
         verify: cached-vs-full self-check at load.
@@ -136,13 +137,14 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
         element_size_fn, large_model, model_copies, env_vars: Beam's `ModelHandler` arguments.
     """
 
-    def __init__(self, *, task: TaskSpec | str, model: str | None = None, dtype: str = "float32",
+    def __init__(self, task: TaskSpec | str, *, model: str | None = None, dtype: str | None = None,
                  threads: int | None = None, device: str = "cpu", batch_size: int = 16, verify: bool = True,
                  validate_texts: bool = True, min_batch_size: int = 1, max_batch_size: int | None = None,
                  suffix_pass: str = "packed", **kwargs):
         super().__init__(min_batch_size=min_batch_size, max_batch_size=max_batch_size or batch_size, **kwargs)
         self._task = task if isinstance(task, TaskSpec) else TaskSpec.from_yaml(task)
         self._model = model or self._task.model or EMBEDDED
+        dtype = dtype_for([self._task.head], dtype)  # the head's own, else float32
         check_device(device, dtype)
         check_suffix_pass(suffix_pass, device)
         self._dtype, self._threads, self._verify, self._device = dtype, threads, verify, device

@@ -301,6 +301,15 @@ def with_timestamp(row, ts=beam.DoFn.TimestampParam) -> Stamped:
     return Stamped(row, ts)
 
 
+def refuse_missing_text(config, fields, label: str) -> None:
+    """Refuse, where the pipeline is built, a schema'd input without the text column: every
+    row would otherwise fail as ``missing_column``."""
+    names = [name for name, _ in fields or ()]
+    if fields and config.text_column not in names:
+        raise ValueError(f"{label}: the input's schema has no text column {config.text_column!r} (its fields: "
+                         f"{names[:20]}); pass text_column= naming the one that holds the text")
+
+
 def refuse_clashing_fields(config, fields, label: str) -> None:
     """Refuse, at construction, schema'd input fields an output column would overwrite."""
     if fields and config.keep_columns is None:
@@ -336,6 +345,7 @@ class PrefixStep(beam.PTransform):
     def expand(self, rows):
         refuse_runner(rows, self.label)
         fields = input_fields(rows.element_type)
+        refuse_missing_text(self._config, fields, self.label)
         # an earlier step's metadata columns (schema'd input: known now) get this step's prefix beside them
         config = self._config.for_input([name for name, _ in fields or ()])
         main, failed = batched_step(rows, self.dofn(config, step_name=self.label), main=self.main, label=self.label,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from beam_prefix.model.early_exit import check_layers
-from beam_prefix.model.half_precision import precision_name
+from beam_prefix.model.half_precision import dtype_of, precision_name
 from beam_prefix.tasks.lexical_head import ALPHAS, fit_lexical, out_of_fold, softmax_weights
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
@@ -71,11 +71,12 @@ def fit_head(classifier, texts: Sequence[str], labels: Sequence[str], *, layers:
         extra_texts, extra_labels = task_label_rows(task)
         extra_features, extra_read = embedded(extra_texts)
         extra = (extra_features, extra_labels, extra_read, [text_hash(t) for t in extra_texts])
-    fingerprint = feature_fingerprint(classifier.features_fingerprint, precision_name(classifier.model),
-                                      tuple(layers), pooling)
+    precision = precision_name(classifier.model)
+    fingerprint = feature_fingerprint(classifier.features_fingerprint, precision, tuple(layers), pooling)
     return fit_head_from_features(features, labels, [text_hash(t) for t in texts], task, layers=tuple(layers),
                                   fingerprint=fingerprint, folds=folds, pooling=pooling,
-                                  texts=read if lexical else None, extra=extra, lexical_alpha=lexical_alpha)
+                                  texts=read if lexical else None, extra=extra, lexical_alpha=lexical_alpha,
+                                  dtype=dtype_of(precision))
 
 
 def task_label_rows(task: TaskSpec) -> tuple[list[str], list[str]]:
@@ -112,14 +113,15 @@ def check_labels(task: TaskSpec, labels) -> collections.Counter:
 def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list[int], task: TaskSpec, *, layers,
                            fingerprint: str, folds: int, pooling: str = "last",
                            texts: Sequence[str] | None = None, extra=None,
-                           lexical_alpha: float | None = None) -> TrainedHead:
+                           lexical_alpha: float | None = None, dtype: str | None = None) -> TrainedHead:
     """A multinomial logistic regression on standardised features; the regularisation by
     stratified k-fold cross-validation (accuracy), with the fold accuracy and per-label F1
     of the chosen one in the head's metrics. With `texts` (each row's text as the engine
     reads it), the lexical part too, weighed by the same folds (module docstring). `extra`:
     rows that only ever train, ``(features [E, F], labels, texts, hashes)`` (the task's
     label rows). `lexical_alpha`: the n-grams' weight, given instead of chosen (the folds'
-    accuracy at each weight is still recorded)."""
+    accuracy at each weight is still recorded). `dtype`: the `load_model` dtype the features
+    came from, which the head records (a step given none runs in it)."""
     from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
     from sklearn.metrics import f1_score
     from sklearn.model_selection import StratifiedKFold
@@ -182,4 +184,4 @@ def fit_head_from_features(features: np.ndarray, labels: list[str], hashes: list
     return TrainedHead(labels=names, layers=layers, weight=torch.from_numpy(weight), bias=torch.from_numpy(bias),
                        mean=torch.from_numpy(mean.astype(np.float32)), std=torch.from_numpy(std.astype(np.float32)),
                        fingerprint=fingerprint, train_hashes=hashes, metrics=metrics, pooling=pooling,
-                       lexical=lexical)
+                       lexical=lexical, dtype=dtype)

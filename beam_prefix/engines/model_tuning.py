@@ -6,7 +6,7 @@
                     pooling="mean", lexical_alpha=record.base_lexical_alpha)
 
 A trained head reads mean-pooled (or last-position) hidden states of a few layers. On few
-rows per label those states separate labels less well than a sentence encoder's (README,
+rows per label those states separate labels less well than a sentence encoder's (docs/heads.md,
 "Trained heads"). `tune_model` changes the decoder layers up to the deepest one the head
 reads (embeddings and later layers unchanged, so early exit still stops there) with a
 supervised contrastive loss (Khosla et al. 2020) on exactly the features the head reads:

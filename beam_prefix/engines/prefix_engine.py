@@ -31,6 +31,7 @@ from beam_prefix.model.output_head import OutputHead
 from beam_prefix.model.loading import EMBEDDED, LoadedModel, load_config, load_model, load_tokenizer, model_id
 from beam_prefix.model.suffix_graphs import for_device
 from beam_prefix.tasks.prompt import EncodedText, PromptLayout
+from beam_prefix.tasks.trained_head import dtype_for
 
 __all__ = ["PrefixEngine", "VERIFY_PROBES"]
 
@@ -115,7 +116,7 @@ class PrefixEngine:
     # -- the lifecycle ------------------------------------------------------------------
 
     @classmethod
-    def load(cls, task, model: str | None = None, *, dtype: str = "float32", threads: int | None = None,
+    def load(cls, task, model: str | None = None, *, dtype: str | None = None, threads: int | None = None,
              device: str = "cpu", trust_remote_code: bool = False, **kwargs) -> "PrefixEngine":
         """Load `model` (default: the task's model, else ``"embedded"``) and build the engine.
 
@@ -125,13 +126,15 @@ class PrefixEngine:
                 directory or a hub id.
             dtype: ``float32`` (exact), ``bfloat16`` (CPUs with native bf16, GPUs) or
                 ``float16`` (GPUs): the linear layers in half precision, the rest float32
-                (`beam_prefix.model.half_precision`).
+                (`beam_prefix.model.half_precision`). Default: the precision the task's
+                head was fit in, else float32.
             threads: torch intra-op threads.
             device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.
             **kwargs: passed to the constructor (`batch_size`, `verify`, ...); a
                 ``suffix_pass="graphs"`` whose model landed on the CPU (``auto``) runs packed.
         """
         task = cls._read_task(task)
+        dtype = dtype_for([getattr(task, "head", None)], dtype)  # a head's own, else float32
         loaded = load_model(model or task.model or EMBEDDED, dtype=dtype, threads=threads, device=device,
                             trust_remote_code=trust_remote_code)
         if "suffix_pass" in kwargs:
@@ -139,7 +142,7 @@ class PrefixEngine:
         return cls(task=task, loaded=loaded, **kwargs)
 
     @classmethod
-    def check_fits(cls, task, model: str, *, dtype: str = "float32", layers: Sequence[int] | None = None,
+    def check_fits(cls, task, model: str, *, dtype: str | None = None, layers: Sequence[int] | None = None,
                    trust_remote_code: bool = False) -> None:
         """The checks this engine makes at construction, made from the model's configuration
         and tokenizer alone (no weights): a launcher refuses a task that cannot fit, or
@@ -150,6 +153,7 @@ class PrefixEngine:
             ContextLengthError: as `cached_prompt.check_context`; TaskSpecError or
                 BoundaryError from rendering the task or from `_check_launch`.
         """
+        dtype = dtype_for([getattr(task, "head", None)], dtype)  # a head's own, else float32
         layout = PromptLayout.build(task, load_tokenizer(model, trust_remote_code=trust_remote_code))
         config = load_config(model, trust_remote_code=trust_remote_code)
         answer = cls._answer(task, layout)

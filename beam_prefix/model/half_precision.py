@@ -13,7 +13,7 @@ hidden states a trained head reads, the LM head and the label log-softmax.
 The engine's results then differ from float32 by the GEMMs' rounding, and cached results
 differ from full re-encoding by the same rounding applied to different shapes (a GEMM's
 blocking can depend on its row count): `TOLERANCE` holds the self-check's per-dtype
-probability tolerance, measured (`benchmarks.precision`) and documented in the README.
+probability tolerance, measured (`benchmarks.precision`) and documented in docs/benchmarks.md.
 A head's fingerprint carries `precision_name`, so a head fit in one precision is refused
 in another (fit it in the precision it runs in).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HalfLinear", "half_linears", "compute_dtype", "precision_name", "linears_precision", "TOLERANCE",
+__all__ = ["HalfLinear", "half_linears", "compute_dtype", "precision_name", "dtype_of", "linears_precision", "TOLERANCE",
            "HALF_DTYPES"]
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -104,6 +104,15 @@ def precision_name(model: torch.nn.Module) -> str:
     what a head's fingerprint records (a head fit on features of one is refused on another)."""
     marked = getattr(model, _MARK, None)
     return linears_precision(marked) if marked is not None else str(next(model.parameters()).dtype)[len("torch."):]
+
+
+def dtype_of(precision: str) -> str | None:
+    """The `load_model` dtype name that computes in `precision` (`precision_name`), or None
+    for one it never gives (a model cast whole to a half dtype by other means)."""
+    if precision == "float32":
+        return precision
+    name = precision.removesuffix("-linears")
+    return name if name != precision and name in ("bfloat16", "float16") else None
 
 
 def linears_precision(dtype: torch.dtype) -> str:

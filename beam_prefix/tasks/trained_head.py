@@ -34,7 +34,7 @@ import torch
 from beam_prefix.errors import TaskSpecError
 from beam_prefix.tasks.lexical_head import LexicalHead
 
-__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS", "EMBED_POOLINGS"]
+__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS", "EMBED_POOLINGS", "DTYPES", "dtype_for"]
 
 HEAD_METADATA_KEY = "beam_prefix_head"
 _FORMAT = 1
@@ -46,6 +46,8 @@ def text_hash(text: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # load_model's dtype names a head may record
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # (load_model takes these too)
 POOLINGS = ("last", "mean")  # the row's last suffix position, or the mean over its suffix positions
 # what an embedding may pool: a head's poolings, or both at once from one forward ("last+mean":
 # the last-position parts of every layer, then the mean parts: what a candidate search reads)
@@ -93,6 +95,31 @@ def _validate(where: str, labels, layers, weight, bias, mean, std) -> None:
                             f"fit the head again (python -m pipelines.fit)")
 
 
+def dtype_for(heads, dtype: str | None) -> str:
+    """The dtype a step runs in: `dtype` when given, else the one its tasks' heads were fit
+    in (``float32`` with none, or heads from before heads recorded it). A head answers only
+    in the precision it was fit in, so a given `dtype` that a head's differs from is refused
+    here, where the step is built, not on the workers.
+
+    Raises:
+        ValueError: naming the head, its dtype and the one given; or heads of two dtypes.
+    """
+    recorded = {h.dtype: h for h in heads if h is not None and h.dtype is not None}
+    dtype = _ALIASES.get(dtype, dtype)
+    if dtype is None:
+        if len(recorded) > 1:
+            raise ValueError(f"the tasks' heads were fit in different dtypes {sorted(recorded)}; one step runs "
+                             f"one: fit them in one dtype (python -m pipelines.fit --dtype)")
+        return next(iter(recorded), "float32")
+    other = [h for d, h in recorded.items() if d != dtype]
+    if other:
+        h = other[0]
+        raise ValueError(f"dtype={dtype!r}, but head {h.source or h.identity} was fit in {h.dtype}, and a head "
+                         f"answers only in the precision it was fit in: leave dtype out (it follows the head), or "
+                         f"fit a head in {dtype} (python -m pipelines.fit --dtype {dtype})")
+    return dtype
+
+
 class TrainedHead:
     """A fitted head (see the module docstring); read-only once built.
 
@@ -103,12 +130,15 @@ class TrainedHead:
         fingerprint: `feature_fingerprint` of the prompt, model, dtype and layers.
         train_hashes: `text_hash` of each training row.
         metrics: what fitting measured (k-fold accuracy, per-label F1, ...), JSON-able.
+        dtype: the `load_model` dtype its features came from (``float32``, ``bfloat16``,
+            ``float16``; None in files written before heads recorded it): a step given no
+            dtype runs in it (`dtype_for`).
     """
 
     def __init__(self, *, labels: Sequence[str], layers: Sequence[int], weight: torch.Tensor, bias: torch.Tensor,
                  mean: torch.Tensor, std: torch.Tensor, fingerprint: str, train_hashes: Sequence[int] = (),
                  metrics: dict[str, Any] | None = None, source: str | None = None, pooling: str = "last",
-                 lexical: LexicalHead | None = None):
+                 lexical: LexicalHead | None = None, dtype: str | None = None):
         where = f"head {source!r}" if source else "head"
         self.labels = tuple(labels)
         try:
@@ -128,6 +158,9 @@ class TrainedHead:
         if lexical is not None and lexical.labels != len(self.labels):
             raise TaskSpecError(f"{where}: its lexical part answers {lexical.labels} labels, the head {len(self.labels)}")
         self.lexical = lexical
+        if dtype is not None and dtype not in DTYPES:
+            raise TaskSpecError(f"{where}: dtype must be one of {DTYPES}, got {dtype!r}")
+        self.dtype = dtype
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     @property
@@ -208,6 +241,8 @@ class TrainedHead:
                 "fingerprint": self.fingerprint, "metrics": self.metrics}
         if self.pooling != "last":  # (absent: last, as in files written before pooling existed)
             meta["pooling"] = self.pooling
+        if self.dtype is not None:
+            meta["dtype"] = self.dtype
         tensors = {}
         if self.lexical is not None:
             meta["lexical_alpha"] = self.lexical.alpha
@@ -264,7 +299,7 @@ class TrainedHead:
         return cls(labels=meta["labels"], layers=meta["layers"], weight=tensors["weight"], bias=tensors["bias"],
                    mean=tensors["mean"], std=tensors["std"], fingerprint=meta["fingerprint"],
                    train_hashes=hashes.tolist(), metrics=meta.get("metrics"), source=path,
-                   pooling=meta.get("pooling", "last"), lexical=lexical)
+                   pooling=meta.get("pooling", "last"), lexical=lexical, dtype=meta.get("dtype"))
 
 
 def _copy_remote(url: str, target: str) -> str:
