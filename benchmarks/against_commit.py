@@ -5,7 +5,7 @@
 
 Benchmarks run on different days differ by the machine more than by the code (two runs a
 day apart on these shared cores moved full re-encoding by 12%; the CPU model itself may
-change between sessions), so comparing today's ms/row with a number in the README says
+change between sessions), so comparing today's ms/row with a number in the docs says
 little. This times both versions of the engine in one run: the base commit's tree
 (`git archive`, into a temporary folder) and this working tree each load the same model and
 task in a worker process of their own (`benchmarks/commit_worker.py`, run by path inside

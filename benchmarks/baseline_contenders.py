@@ -7,6 +7,7 @@ may ask for (`chosen_contenders`). What each is, and why: `benchmarks.baselines`
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -222,16 +223,110 @@ class OursExit1TunedHalf(OursEarlyTunedHalf):
     layers = (1,)
 
 
+
+def _cli(module: str, *flags: str) -> None:
+    """Run a pipeline's CLI as a user does (a fresh process, the checkout's own modules)."""
+    import subprocess
+    import sys
+
+    from benchmarks.data import ROOT
+
+    subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, check=True)
+
+
+def _rows_csv(rows, path: str) -> str:
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        out = csv.writer(f)
+        out.writerow(["text", "category"])
+        out.writerows(rows)
+    return path
+
+
+class OursDefault(Ours):
+    """What a user gets from plain `pipelines.fit` (no feature flags): its features chosen
+    by folds of the training rows among its candidates (#55), fit by the CLI itself; the
+    head file it writes, and its summary, are kept under the run's ``heads/`` folder."""
+
+    name = "ours, default fit: plain `pipelines.fit`, features chosen by folds"
+    shipped = False
+    flags: tuple[str, ...] = ()
+    keep: str | None = None  # where heads are kept (baselines sets it)
+
+    def fit(self, rows, label_rows=False):
+        import tempfile
+
+        from beam_prefix.tasks.trained_head import TrainedHead
+
+        regime = "full" if len(rows) > 2000 else "few"
+        out = os.path.join(self.keep or tempfile.mkdtemp(), f"{type(self).__name__}_{regime}")
+        os.makedirs(out, exist_ok=True)
+        _cli("pipelines.fit", "--runner=DirectRunner", "--task=banking77_head",
+             f"--input={_rows_csv(rows, os.path.join(out, 'rows.csv'))}", "--label_column=category",
+             f"--output={out}/banking77.head", f"--summary_output={out}/summary.json", "--batch_size=64",
+             *self.flags)
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+        model = type(self)(self.loaded, TrainedHead.load(os.path.join(out, "banking77.head")))
+        model.summary, model.dir = summary, out
+        return model
+
+
+class OursDefaultHalf(OursDefault):
+    """Plain `pipelines.fit --dtype bfloat16`: the same search, in bf16 linears (the head
+    records it; classify then runs in it by default)."""
+
+    name = "ours, default fit, bfloat16: `pipelines.fit --dtype bfloat16`, features chosen by folds"
+    dtype = "bfloat16"
+    flags = ("--dtype=bfloat16",)
+
+
+class OursDefaultTuned(OursDefault):
+    """Plain `pipelines.tune` on the default-fit head's rows, task and features (its layers
+    and pooling), as a user runs it after a plain fit: 20% of each label's rows held out, the
+    tuned model kept only when its head beats the untuned one there (#55.2), else the
+    untuned head (then this contender is that head)."""
+
+    name = "ours, default fit + `pipelines.tune` (kept only if it wins on held-out rows)"
+
+    def fit(self, rows, label_rows=False, *, base=None, tuned=None):
+        import yaml
+
+        from beam_prefix import TaskSpec
+        from beam_prefix.model import load_model
+
+        out = base.dir + "_tuned"
+        task_file = os.path.join(base.dir, "banking77_head.yaml")
+        with open(os.path.join(TASKS, "banking77_head.yaml"), encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+        with open(task_file, "w", encoding="utf-8") as f:
+            yaml.safe_dump({**data, "head": "banking77.head"}, f, sort_keys=False)
+        _cli("pipelines.tune", f"--task={task_file}", f"--input={os.path.join(base.dir, 'rows.csv')}",
+             "--label_column=category", f"--output={out}", f"--summary_output={out}.summary.json",
+             *(("--dtype=" + base.head.dtype,) if base.head.dtype else ()))
+        with open(f"{out}.summary.json", encoding="utf-8") as f:
+            summary = json.load(f)
+        task = TaskSpec.from_yaml(os.path.join(out, "banking77_head.yaml"))
+        loaded = load_model(out if summary["kept"] else "embedded", dtype=task.head.dtype or "float32")
+        model = type(self)(loaded, task.head)
+        model.summary, model.dir = summary, out
+        return model
+
+
 # report keys of the contenders, in the table's order
 CONTENDERS = {"tfidf": Tfidf, "minilm": MiniLM, "ours": Ours, "ours_early": OursEarly,
               "ours_early_bf16": OursEarlyHalf, "ours_early_tuned": OursEarlyTuned,
               "ours_early_tuned_bf16": OursEarlyTunedHalf, "ours_exit6_bf16": OursExit6Half,
               "ours_exit6_tuned_bf16": OursExit6TunedHalf, "ours_exit2_bf16": OursExit2Half,
-              "ours_exit1_bf16": OursExit1Half, "ours_exit1_tuned_bf16": OursExit1TunedHalf}
+              "ours_exit1_bf16": OursExit1Half, "ours_exit1_tuned_bf16": OursExit1TunedHalf,
+              "ours_default": OursDefault, "ours_default_tuned": OursDefaultTuned,
+              "ours_default_bf16": OursDefaultHalf}
 # a tuned contender's base: the untuned one of the same rows and precision, whose head gives
 # it the n-gram weight
 BASES = {"ours_early_tuned": "ours_early", "ours_early_tuned_bf16": "ours_early_bf16",
-         "ours_exit6_tuned_bf16": "ours_exit6_bf16", "ours_exit1_tuned_bf16": "ours_exit1_bf16"}
+         "ours_exit6_tuned_bf16": "ours_exit6_bf16", "ours_exit1_tuned_bf16": "ours_exit1_bf16",
+         "ours_default_tuned": "ours_default"}
 # a contender that reuses another's tuning (pipelines.tune --dtype bfloat16 tunes in float32)
 REUSES = {"ours_early_tuned_bf16": "ours_early_tuned"}
 

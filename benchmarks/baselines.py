@@ -56,7 +56,7 @@ import time
 
 import torch
 
-from benchmarks.baseline_contenders import BASES, CONTENDERS, REUSES, MiniLM, Ours, chosen_contenders
+from benchmarks.baseline_contenders import BASES, CONTENDERS, REUSES, MiniLM, Ours, OursDefault, chosen_contenders
 from benchmarks.data import DATA, RESULTS, csv_rows, write_results
 
 
@@ -88,8 +88,13 @@ def run(argv=None) -> dict | None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help="which to run, by report key (comma-separated; default all): " + ", ".join(CONTENDERS))
     parser.add_argument("--name", default="baselines", help="report file name (without .json/.md)")
+    parser.add_argument("--heads_dir", default=os.path.join("output", "baselines_heads"),
+                        help="where the default-fit contenders' heads (and tuned models) are kept")
+    parser.add_argument("--chart", default=os.path.join("docs", "assets", "accuracy_cost.png"),
+                        help="the accuracy-against-cost chart (PNG) this run draws ('' for none)")
     args = parser.parse_args(argv)
     keys = chosen_contenders(args.contenders)
+    OursDefault.keep = os.path.abspath(args.heads_dir)
     try:
         import all_minilm_l6_v2  # noqa: F401
         import sentence_transformers  # noqa: F401
@@ -122,7 +127,9 @@ def run(argv=None) -> dict | None:
                 make = cls(models[cls.dtype])
                 # few rows: the task's label rows too (chosen by training folds: layer_survey)
                 extra = {}
-                if key in BASES:
+                if key in BASES and issubclass(cls, OursDefault):  # tunes on the default fit's own rows and head
+                    extra["base"] = fitted[(BASES[key], regime)]
+                elif key in BASES:
                     extra["base"] = fitted[(BASES[key], regime)].head
                     if REUSES.get(key) in keys:
                         extra["tuned"] = fitted[(REUSES[key], regime)]
@@ -131,7 +138,13 @@ def run(argv=None) -> dict | None:
             acc = _accuracy(model, test)
             report["accuracy"].setdefault(name, {})[regime] = acc
             fitted[(key, regime)] = model
-            if key in BASES and REUSES.get(key) not in keys:  # a contender that tuned
+            if issubclass(cls, OursDefault):  # what the CLI chose (fit) or decided (tune)
+                report[f"{key}_summary" + ("" if regime == "full train" else "_few")] = {
+                    k: model.summary.get(k) for k in ("candidates", "chosen", "layers", "pooling", "kfold_accuracy",
+                                                      "lexical_alpha", "features_s", "fit_s", "validation", "kept",
+                                                      "tune_s", "tuned_layers", "epochs")
+                    if k in model.summary}
+            elif key in BASES and REUSES.get(key) not in keys:  # a contender that tuned
                 report[f"{key}_record" + ("" if regime == "full train" else "_few")] = {
                     "tune_s": model.record.tune_s, "losses": list(model.record.losses), "epochs": model.record.epochs,
                     "tuned_layers": model.record.tuned_layers, "base_lexical_alpha": model.record.base_lexical_alpha}
@@ -168,6 +181,8 @@ def run(argv=None) -> dict | None:
                 report["cost"][label] = round(best[CONTENDERS[key].name] / best[MiniLM.name], 2)
     print(json.dumps(report["cost"], indent=1), flush=True)
     _write(report, args.out_dir, args.name)
+    if args.chart:
+        chart(report, args.chart)
     return report
 
 
@@ -177,7 +192,9 @@ RATIO_NAMES = {"ours": "ours / MiniLM", "ours_early": "ours early exit / MiniLM"
                "ours_early_tuned_bf16": "ours early exit tuned bf16 / MiniLM",
                "ours_exit6_bf16": "ours exit 6 bf16 / MiniLM", "ours_exit6_tuned_bf16": "ours exit 6 tuned bf16 / MiniLM",
                "ours_exit2_bf16": "ours exit 2 bf16 / MiniLM", "ours_exit1_bf16": "ours exit 1 bf16 / MiniLM",
-               "ours_exit1_tuned_bf16": "ours exit 1 tuned bf16 / MiniLM"}
+               "ours_exit1_tuned_bf16": "ours exit 1 tuned bf16 / MiniLM", "ours_default": "ours default fit / MiniLM",
+               "ours_default_bf16": "ours default fit bf16 / MiniLM",
+               "ours_default_tuned": "ours default fit + tune / MiniLM"}
 
 
 def _write(report: dict, out_dir: str, name: str = "baselines") -> None:
@@ -238,7 +255,92 @@ def _write(report: dict, out_dir: str, name: str = "baselines") -> None:
                       f"head fit in bf16 with the n-gram weight of the bf16 base head of the same rows "
                       f"(`pipelines.tune --dtype bfloat16`: the tuning itself runs in float32){weight}."
                       f"{ratio('ours_early_tuned_bf16')}"]
+    lines += _default_fit_lines(report, ratio)
     write_results(out_dir, name, report, "\n".join(lines) + "\n")
+
+
+# the README's brief table: report key -> how the README names it (the docs show every contender)
+BRIEF = {"tfidf": "TF-IDF + logistic regression", "minilm": "all-MiniLM-L6-v2 + logistic regression",
+         "ours_default": "ours: plain `pipelines.fit`", "ours_default_bf16": "ours: `pipelines.fit --dtype bfloat16`",
+         "ours_default_tuned": "ours: plain `pipelines.fit`, then `pipelines.tune`",
+         "ours_early": "ours: `--layers 6,12 --pooling mean`"}
+
+
+def table_rows(report: dict, brief: bool = False) -> list[str]:
+    """The accuracy and cost table's rows as markdown, from one run's report (the README's
+    brief one with `brief`; the docs show them all): what tests/test_docs_tables.py holds
+    the README and the docs to."""
+    from benchmarks.baseline_contenders import CONTENDERS
+
+    cost, rows = report["cost"]["ms_per_row_best"], []
+    minilm = cost.get(CONTENDERS["minilm"].name)
+    for key in report["contenders"]:
+        name = CONTENDERS[key].name
+        if brief and key not in BRIEF:
+            continue
+        acc = report["accuracy"][name]
+        full = f"{acc['full train']:.1%}" if "full train" in acc else "not run"
+        ms = cost[name]
+        ratio = f" ({ms / minilm:.2f}x MiniLM)" if minilm and key != "minilm" else ""
+        rows.append(f"| {BRIEF[key] if brief else name} | {full} | {acc['10 rows per intent']:.1%} | {ms:.2f}{ratio} |")
+    return rows
+
+
+def _default_fit_lines(report: dict, ratio) -> list[str]:
+    """What plain `pipelines.fit` chose in each regime, and what plain `pipelines.tune` decided."""
+    lines = []
+    for key, what in (("ours_default", "Ours, default fit"), ("ours_default_bf16", "Ours, default fit, bfloat16")):
+        for suffix, regime in (("", "full split"), ("_few", "10 per intent")):
+            s = report.get(f"{key}_summary{suffix}")
+            if not s:
+                continue
+            table = "; ".join(f"layers {','.join(map(str, c['layers']))} {c['pooling']} {c['fold_accuracy']:.1%} at "
+                              f"{c['ms_per_row']:.2f} ms/row" for c in s["candidates"])
+            lines += ["", f"{what}, {regime}: `pipelines.fit` compared {table} (fold accuracy; cost timed by the "
+                          f"launcher, all threads, batch 32) and chose layers {s['chosen']['layers']} "
+                          f"{s['chosen']['pooling']} (--prefer {s['chosen']['prefer']}).{ratio(key) if not suffix else ''}"]
+    t = report.get("ours_default_tuned_summary_few")
+    if t:
+        v = t.get("validation") or {}
+        lines += ["", f"Ours, default fit + tune, 10 per intent: `pipelines.tune` held out {v.get('rows')} rows, tuned "
+                      f"layers 1-{t.get('tuned_layers')} on the rest ({t.get('epochs')} epochs, {t.get('tune_s', 0):.0f} "
+                      f"s); on the held-out rows the untuned head scored {v.get('untuned_accuracy', 0):.1%}, the tuned "
+                      f"one {v.get('tuned_accuracy', 0):.1%}: it {'kept the tuned model' if t.get('kept') else 'kept the untuned head'}."]
+    return lines
+
+
+def chart(report: dict, path: str) -> None:
+    """Accuracy on the test rows against cost per row (log scale), one point per contender
+    and regime: the trade-off at a glance (the docs' accuracy and cost page shows it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cost = report["cost"]["ms_per_row_best"]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for regime, marker in (("full train", "o"), ("10 rows per intent", "^")):
+        points = [(cost[m], acc[regime], m) for m, acc in report["accuracy"].items() if regime in acc]
+        ax.scatter([p[0] for p in points], [100 * p[1] for p in points], marker=marker, s=50,
+                   label=f"fit on {regime}" if regime == "10 rows per intent" else "fit on the full train split")
+        for x, y, m in points:
+            ax.annotate(_short(m), (x, 100 * y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("ms per row (batch 64, 1 thread, this machine)")
+    ax.set_ylabel("accuracy on the 3,080 Banking77 test rows (%)")
+    ax.set_title(f"Banking77: accuracy against cost ({report['date']})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _short(method: str) -> str:
+    """A contender's name cut for the chart's labels."""
+    return method.split(":")[0].replace("embeddings + logistic regression", "+ LR").replace(
+        " + logistic regression", " + LR")
 
 
 def _tuned_layers(record: dict) -> str:
