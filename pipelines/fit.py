@@ -45,7 +45,8 @@ from pipelines.summary import write_json
 from pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_local_paths, refuse_unknown_flags,
                                task_path, task_without_head)
 from pipelines.publish import Output
-from pipelines.launch_checks import hold_outputs, refuse_collisions, refuse_overlap, run_reads
+from pipelines.launch_checks import (hold_outputs, refuse_collisions, refuse_overlap, refuse_unreachable, remote_paths,
+                                     run_reads)
 from pipelines.sources import input_format, read_rows, require_columns, input_schema
 
 __all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
@@ -146,6 +147,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     # the input, the task file or the model
     outputs = [Output("--output", o.output)] + ([Output("--summary_output", o.summary_output)]
                                                 if o.summary_output else [])
+    refuse_unreachable(remote_paths(options, outputs))  # in seconds, before any check reads them
     refuse_collisions(outputs)
     refuse_overlap(outputs, run_reads(options, "fit", task_file=task_file, with_head=False))
     with contextlib.ExitStack() as held:

@@ -28,7 +28,8 @@ from beam_prefix.errors import ModelLoadError
 from pipelines import bigquery_endpoint
 from pipelines.options import ClassifyOptions, StepOptions, refuse_unknown_flags, validate
 from pipelines.publish import Output, Staging
-from pipelines.launch_checks import hold_outputs, refuse_overlap, refuse_table_overlap, run_reads
+from pipelines.launch_checks import (hold_outputs, refuse_overlap, refuse_table_overlap, refuse_unreachable, remote_paths,
+                                     run_reads)
 from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
 from pipelines.sources import read_rows
 from pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
@@ -112,6 +113,7 @@ def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, defau
         validate_more(options)
     labeled_to, failed_to = destinations(options, default_output=default_output, failed_name=failed_name)
     staging, summary_path = _stage(options, labeled_to, failed_to, confusion=kind == "classify")
+    refuse_unreachable(remote_paths(options, staging.outputs))  # in seconds, before any check reads them
     staging.check()  # two outputs whose files collide would silently replace or mix rows
     refuse_overlap(staging.outputs, run_reads(options, kind))  # nor may one replace what the run reads
     refuse_table_overlap(options)

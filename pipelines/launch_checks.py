@@ -16,6 +16,10 @@ output is staged; each refusal is exit 2 with one line naming the flag(s):
 - `refuse_table_overlap`: no output table is the input table.
 - `refuse_collisions`: no two outputs write the same files (`publish.Staging.check`), and
   `refuse_inside`: no output file lies inside an output directory (`pipelines.tune`).
+- `refuse_unreachable`: every remote path the run names (``gs://`` outputs, input, task,
+  model) answers within `REMOTE_TIMEOUT_S` (30 s; ``BEAM_PREFIX_REMOTE_TIMEOUT_S``), before
+  any other check reads it: an unreachable bucket is one line naming the flag, not minutes
+  of a client's retries and then its raw error.
 - `hold_outputs`: no other run is writing the same outputs (`pipelines.output_lock`; taken
   after these checks, held until the run ends).
 
@@ -45,7 +49,8 @@ from pipelines.paths import is_local, join, matches, split
 from pipelines.publish import Output, OutputLocationError, Staging
 
 __all__ = ["Read", "input_reads", "task_reads", "model_reads", "run_reads", "refuse_overlap", "refuse_table_overlap",
-           "refuse_collisions", "refuse_inside", "hold_outputs", "files_of"]
+           "refuse_collisions", "refuse_inside", "hold_outputs", "files_of", "refuse_unreachable", "remote_paths",
+           "REMOTE_TIMEOUT_S"]
 
 TASK_PATTERNS = ("*.yaml", "*.yml")  # what --task_dir reads (beam_prefix.beam.routing.load_tasks)
 # what a model loader (transformers, and this package's tuning record) reads in a model
@@ -242,3 +247,51 @@ def hold_outputs(stack: contextlib.ExitStack, outputs: Iterable[Output]) -> None
         OutputLockedError: another run is writing one of them.
     """
     stack.enter_context(locked((o.flag, o.path) for o in outputs))
+
+
+REMOTE_TIMEOUT_S = 30.0  # how long a remote path may take to answer at launch
+
+
+def remote_paths(options: PipelineOptions, outputs: Sequence[Output] = ()) -> list[tuple[str, str]]:
+    """(flag, path) of every remote path a run names: its outputs, input, task and model."""
+    o = options.view_as(StepOptions)
+    named = [(out.flag, out.path) for out in outputs]
+    named += [(f"--{flag}", getattr(o, flag)) for flag in ("input", "task", "model")]
+    return [(flag, path) for flag, path in named if path and not is_local(path)]
+
+
+def refuse_unreachable(paths: Iterable[tuple[str, str]], timeout: float | None = None) -> None:
+    """Refuse a remote path whose file system does not answer within `timeout` seconds
+    (default `REMOTE_TIMEOUT_S`, or ``$BEAM_PREFIX_REMOTE_TIMEOUT_S``), or answers with an
+    error (no such bucket, no credentials...). Each probe is one ``FileSystems.match`` of
+    the path (a pattern, or a name that need not exist yet), run in a daemon thread, so a
+    client that retries for minutes is left behind, not waited for.
+
+    Raises:
+        OutputLocationError: naming the flag, the path and what went wrong.
+    """
+    import threading
+
+    from apache_beam.io.filesystems import FileSystems
+
+    limit = timeout if timeout is not None else float(os.environ.get("BEAM_PREFIX_REMOTE_TIMEOUT_S", REMOTE_TIMEOUT_S))
+    for flag, path in paths:
+        answer: list = []
+
+        def probe(path=path, answer=answer):
+            try:
+                FileSystems.match([path])
+                answer.append(None)
+            except Exception as e:  # noqa: BLE001 - any failure is the answer
+                answer.append(e)
+
+        worker = threading.Thread(target=probe, name="remote-probe", daemon=True)
+        worker.start()
+        worker.join(limit)
+        if not answer:
+            raise OutputLocationError(f"{flag}={path}: no answer from its file system within {limit:g} s (no "
+                                      f"network, or a client retrying); check the path and your credentials")
+        if answer[0] is not None:
+            e = answer[0]
+            raise OutputLocationError(f"{flag}={path}: cannot be reached ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0][:300] if str(e) else ''})")
