@@ -317,14 +317,21 @@ def chart(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from benchmarks.baseline_contenders import CONTENDERS
+
     cost = report["cost"]["ms_per_row_best"]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    short = {CONTENDERS[k].name: BRIEF.get(k, _short(CONTENDERS[k].name)).replace("`", "")
+             for k in report["contenders"]}
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=110)
     for regime, marker in (("full train", "o"), ("10 rows per intent", "^")):
-        points = [(cost[m], acc[regime], m) for m, acc in report["accuracy"].items() if regime in acc]
+        points = sorted((cost[m], acc[regime], m) for m, acc in report["accuracy"].items() if regime in acc)
         ax.scatter([p[0] for p in points], [100 * p[1] for p in points], marker=marker, s=50,
                    label=f"fit on {regime}" if regime == "10 rows per intent" else "fit on the full train split")
-        for x, y, m in points:
-            ax.annotate(_short(m), (x, 100 * y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+        for x, y, m in points:  # of two close points, the higher one's label goes above, the other's below
+            near = [q for q in points if q[2] != m and max(q[0], x) / min(q[0], x) < 1.5]
+            below = any(q[1] > y or (q[1] == y and q[0] > x) for q in near)
+            ax.annotate(short.get(m, m), (x, 100 * y), textcoords="offset points", fontsize=7,
+                        xytext=(4, -11 if below else 6))
     ax.set_xscale("log")
     ax.set_xlabel("ms per row (batch 64, 1 thread, this machine)")
     ax.set_ylabel("accuracy on the 3,080 Banking77 test rows (%)")
