@@ -114,24 +114,23 @@ def _tracked_state() -> dict:
 
 
 def _run(lang: str, code: str, tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def run(args, timeout=1500):
+        return subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True,
+                              text=True, timeout=timeout)
+
     if lang == "python":
         script = tmp / "block.py"
         script.write_text(code, encoding="utf-8")
-        return subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=1500)
+        return run([sys.executable, str(script)])
     if lang == "bash":
-        return subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=1500)
+        return run(["bash", "-euo", "pipefail", "-c", code])
     data = yaml.safe_load(code)
     path = tmp / "block.yaml"
     path.write_text(code, encoding="utf-8")
     if isinstance(data, dict) and "pipeline" in data:
-        return subprocess.run([sys.executable, "-m", "apache_beam.yaml.main", f"--yaml_pipeline_file={path}"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    script = f"from beam_prefix import load_task\nprint(load_task({str(path)!r}).name)\n"
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+        return run([sys.executable, "-m", "apache_beam.yaml.main", f"--yaml_pipeline_file={path}"])
+    return run([sys.executable, "-c", f"from beam_prefix import load_task\nprint(load_task({str(path)!r}).name)\n"],
+               timeout=300)
 
 
 def _matches(shown: str, printed: str) -> bool:

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 import torch
 
 from beam_prefix.errors import TaskSpecError
+from beam_prefix.model.half_precision import dtype_of
+from beam_prefix.model.loading import precision_of
 from beam_prefix.tasks.lexical_head import LexicalHead
 
 __all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS", "EMBED_POOLINGS", "DTYPES", "dtype_for"]
@@ -47,7 +49,6 @@ def text_hash(text: str) -> int:
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # load_model's dtype names a head may record
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # (load_model takes these too)
 POOLINGS = ("last", "mean")  # the row's last suffix position, or the mean over its suffix positions
 # what an embedding may pool: a head's poolings, or both at once from one forward ("last+mean":
 # the last-position parts of every layer, then the mean parts: what a candidate search reads)
@@ -105,7 +106,8 @@ def dtype_for(heads, dtype: str | None) -> str:
         ValueError: naming the head, its dtype and the one given; or heads of two dtypes.
     """
     recorded = {h.dtype: h for h in heads if h is not None and h.dtype is not None}
-    dtype = _ALIASES.get(dtype, dtype)
+    if dtype is not None:  # its canonical name (``bf16`` is ``bfloat16``), as load_model reads it
+        dtype = dtype_of(precision_of(dtype))
     if dtype is None:
         if len(recorded) > 1:
             raise ValueError(f"the tasks' heads were fit in different dtypes {sorted(recorded)}; one step runs "
