@@ -20,11 +20,13 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.13",
-    # namespace discovery: the data folders (pipelines/tasks, data, yaml) are packages of their own
-    # to setuptools, and plain find_packages made every install print a page of warnings about them
-    packages=find_namespace_packages(include=["beam_prefix", "beam_prefix.*", "pipelines", "pipelines.*"]),
-    package_data={"pipelines": ["tasks/*.yaml", "tasks/*.head", "yaml/*.yaml", "data/*.csv", "data/*.parquet", "data/*.jsonl",
-                                "data/banking77/*"]},
+    # namespace discovery: the data folders (beam_prefix/shipped/tasks, data, yaml) are packages of
+    # their own to setuptools, and plain find_packages made every install print a page of warnings
+    # about them. Only beam_prefix installs: the checkout's top-level pipelines/ (runners for
+    # `python -m pipelines.classify`) would shadow a user's own `pipelines` package on workers.
+    packages=find_namespace_packages(include=["beam_prefix", "beam_prefix.*"]),
+    package_data={"beam_prefix.shipped": ["tasks/*.yaml", "tasks/*.head", "yaml/*.yaml", "data/*.csv",
+                                          "data/*.parquet", "data/*.jsonl", "data/banking77/*"]},
     include_package_data=True,
     install_requires=[
         f"apache-beam[gcp]=={BEAM_VERSION}",

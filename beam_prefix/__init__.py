@@ -5,14 +5,14 @@ through the model once; every row then costs only its own suffix tokens (and, fo
 extraction, the tokens it generates).
 
     from beam_prefix import TaskSpec, PrefixClassifier, Extractor
-    task = TaskSpec.from_yaml("pipelines/tasks/support_tickets.yaml")
+    task = TaskSpec.from_yaml("support_tickets")  # a shipped task's name (shipped_tasks()), or a file's path
     clf = PrefixClassifier.load(task, model="embedded")
     clf.classify(["I was charged twice"])[0].label
-    Extractor.load("pipelines/tasks/ticket_fields.yaml").extract(["Refund order A-17"])[0].values
+    Extractor.load("ticket_fields").extract(["Refund order A-17"])[0].values
 
 The Beam steps are `beam_prefix.beam.classify_transform.ClassifyText`,
 `beam_prefix.beam.extract_transform.ExtractFields` and `beam_prefix.beam.embed_transform.EmbedText`;
-a task with ``scoring: head`` answers with a head fit by ``python -m pipelines.fit``.
+a task with ``scoring: head`` answers with a head fit by ``python -m beam_prefix.pipelines.fit``.
 """
 
 from beam_prefix.engines.classifier import PrefixClassifier
@@ -23,6 +23,7 @@ from beam_prefix.tasks.extract_task import ExtractExample, ExtractionSpec, Field
 from beam_prefix.engines.extractor import Extraction, Extractor
 from beam_prefix.engines.head_fitting import fit_head
 from beam_prefix.engines.model_tuning import tune_model
+from beam_prefix.tasks.shipped import shipped_tasks
 from beam_prefix.tasks.task import Example, Label, TaskSpec
 from beam_prefix.tasks.trained_head import TrainedHead
 
@@ -32,5 +33,5 @@ __all__ = [
     "TaskSpec", "Label", "Example", "PrefixClassifier", "Prediction", "Embedding", "TrainedHead",
     "ExtractionSpec", "Field", "ExtractExample", "Extractor", "Extraction", "load_task",
     "BeamPrefixError", "TaskSpecError", "BoundaryError", "ModelLoadError", "RowError",
-    "TextTooLongError", "VerificationError", "fit_head", "tune_model",
+    "TextTooLongError", "VerificationError", "fit_head", "tune_model", "shipped_tasks",
 ]

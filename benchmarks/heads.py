@@ -44,7 +44,7 @@ def _fit(base: PrefixClassifier, rows, layers=(-1,)):
     """A head over `base`'s features, fit the way `pipelines.fit` fits one."""
     import numpy as np
 
-    from pipelines.fit import fit_head
+    from beam_prefix.pipelines.fit import fit_head
 
     features = np.asarray([e.features for e in base.embed([t for t, _ in rows], layers=layers)], dtype=np.float32)
     fingerprint = feature_fingerprint(base.features_fingerprint, torch.float32, layers)

@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.baselines import _few
 from benchmarks.data import DATA, RESULTS, TASKS, csv_rows, write_results
-from pipelines.options import join_negative_lists
+from beam_prefix.pipelines.options import join_negative_lists
 
 SURVEYED = (3, 6, 9, 12, 15, 18, 21, 24, 27, -1)
 ALPHAS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0)

@@ -16,7 +16,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from beam_prefix.beam.classify_transform import ClassifyText
-from pipelines.options import SAMPLE_TICKETS, task_path
+from beam_prefix.pipelines.options import SAMPLE_TICKETS, task_path
 
 
 def _peak_rss_mb() -> float:

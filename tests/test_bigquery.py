@@ -13,9 +13,9 @@ import pytest
 from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.beam.classify_dofn import prob_column
 from beam_prefix.model.loading import load_model
-from pipelines import bigquery_endpoint, classify
-from pipelines.options import ClassifyOptions, task_path
-from pipelines.sinks import bigquery_write_args
+from beam_prefix.pipelines import bigquery_endpoint, classify
+from beam_prefix.pipelines.options import ClassifyOptions, task_path
+from beam_prefix.pipelines.sinks import bigquery_write_args
 
 from bq_emulator import PROJECT, Emulator, executable
 from conftest import TEXTS
@@ -192,7 +192,7 @@ def test_extracted_fields_are_typed_columns(emulator, tiny_dir, tmp_path):
     """pipelines.extract to BigQuery: one typed column per task field (DATE, INTEGER, BOOLEAN...)."""
     import json
 
-    from pipelines import extract
+    from beam_prefix.pipelines import extract
 
     from test_extraction import EXAMPLES, FIELDS
 

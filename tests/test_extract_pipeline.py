@@ -14,7 +14,7 @@ import pytest
 
 from beam_prefix.engines.extractor import Extractor
 from beam_prefix.model.loading import load_model
-from pipelines import extract
+from beam_prefix.pipelines import extract
 
 from conftest import TEXTS
 from test_extraction import FIELDS, EXAMPLES

@@ -17,7 +17,7 @@ import pytest
 from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.engines.feature_search import Candidate, candidates, choose, slice_features, union
 from beam_prefix.tasks.trained_head import TrainedHead
-from pipelines import fit
+from beam_prefix.pipelines import fit
 
 from conftest import ROOT, TEXTS, tiny_task
 
@@ -90,7 +90,7 @@ def test_fit_with_no_feature_flags_compares_the_candidates_from_one_pass(tiny_di
 
 @pytest.mark.parametrize("flag", ["--layers=-1", "--pooling=mean"])
 def test_an_explicit_feature_flag_skips_the_search(flag, tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("pipelines.fit_search.ms_per_row", lambda *a, **k: pytest.fail("searched"))
+    monkeypatch.setattr("beam_prefix.pipelines.fit_search.ms_per_row", lambda *a, **k: pytest.fail("searched"))
     summary = fit.run(["--runner=DirectRunner", f"--model={tiny_dir}", f"--input={SAMPLE}", "--label_column=label",
                        f"--output={tmp_path}/h.head", "--verify=false", "--folds=3", flag])
     assert "candidates" not in summary and summary["layers"] == [-1]

@@ -113,7 +113,7 @@ def test_pipelines_fit_in_bfloat16_gives_a_head_that_classify_runs_in_bfloat16_o
     one at launch, before any worker."""
     import os
 
-    from pipelines import classify, fit
+    from beam_prefix.pipelines import classify, fit
 
     from conftest import ROOT, SUPPORT_TASK
 

@@ -22,7 +22,7 @@ from beam_prefix.beam.embed_transform import EmbedText
 from beam_prefix.engines.head_fitting import C_GRID
 from beam_prefix.tasks.lexical_head import ALPHAS
 from beam_prefix.tasks.trained_head import TrainedHead, feature_fingerprint, text_hash
-from pipelines import classify, fit
+from beam_prefix.pipelines import classify, fit
 
 from conftest import ARCHS, SUPPORT_TASK, TEXTS, assert_same_predictions, tiny_task
 

@@ -17,8 +17,8 @@ import yaml
 
 from beam_prefix import PrefixClassifier
 from beam_prefix.tasks.trained_head import TrainedHead, text_hash
-from pipelines import classify, fit, launch
-from pipelines.options import join_negative_lists
+from beam_prefix.pipelines import classify, fit, launch
+from beam_prefix.pipelines.options import join_negative_lists
 
 from conftest import SUPPORT_TASK, TEXTS, tiny_task
 

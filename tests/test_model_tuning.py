@@ -172,8 +172,8 @@ def test_tune_model_refuses_a_directory_with_files_and_labels_the_task_lacks(tin
 
 def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_dir, tmp_path, capsys, monkeypatch):
     from beam_prefix.engines import model_tuning
-    from pipelines import tune
-    from pipelines.options import task_path
+    from beam_prefix.pipelines import tune
+    from beam_prefix.pipelines.options import task_path
 
     # the task file is read once, at launch: an edit while the model tunes does not reach the
     # task file written beside the tuned model (which would then disagree with its head)
@@ -210,7 +210,7 @@ def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_d
 
 def test_pipelines_tune_dtype_fits_the_heads_in_that_precision_and_the_head_answers_only_in_it(tiny_dir, tmp_path,
                                                                                                  capsys):
-    from pipelines import tune
+    from beam_prefix.pipelines import tune
 
     out = tmp_path / "tuned"
     assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label", f"--output={out}",
@@ -236,7 +236,7 @@ def test_pipelines_tune_in_half_precision_writes_nothing_when_the_written_heads_
     head failing that check is not written, nor is the tuned model."""
     from beam_prefix.engines.classifier import PrefixClassifier as Engine
     from beam_prefix.errors import VerificationError
-    from pipelines import tune
+    from beam_prefix.pipelines import tune
 
     real = Engine.verify
 
@@ -254,7 +254,7 @@ def test_pipelines_tune_in_half_precision_writes_nothing_when_the_written_heads_
 
 
 def test_pipelines_tune_refuses_before_any_model_work(tiny_dir, tmp_path, capsys):
-    from pipelines import tune
+    from beam_prefix.pipelines import tune
 
     taken = tmp_path / "taken"
     taken.mkdir()

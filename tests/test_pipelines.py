@@ -16,9 +16,9 @@ import pytest
 from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.beam.classify_dofn import prob_column
 from beam_prefix.model.loading import load_model
-from pipelines import classify
-from pipelines.options import SAMPLE_TICKETS, task_path
-from pipelines.sinks import ToOutputRow
+from beam_prefix.pipelines import classify
+from beam_prefix.pipelines.options import SAMPLE_TICKETS, task_path
+from beam_prefix.pipelines.sinks import ToOutputRow
 
 from conftest import TEXTS
 
@@ -219,7 +219,7 @@ def test_failure_mid_run_leaves_no_files_at_all(tiny_dir, tmp_path, monkeypatch,
             seen.append(record)
             raise RuntimeError("injected failure")
 
-        from pipelines import launch  # where the pipelines' failed rows are shaped
+        from beam_prefix.pipelines import launch  # where the pipelines' failed rows are shaped
 
         monkeypatch.setattr(launch, "failed_output_row", fail_a_failed_row)
     with pytest.raises(Exception, match="injected failure"):
@@ -265,7 +265,7 @@ def test_launch_errors_exit_2_in_one_line(tmp_path, capsys):
 
 
 def test_a_runner_error_is_one_line_naming_the_outputs():
-    from pipelines.classify import explain
+    from beam_prefix.pipelines.classify import explain
 
     line = explain(RuntimeError("Pipeline failed\nTraceback...\nRuntimeError: Channel closed prematurely."),
                    {"labeled": "out/labeled-*.parquet", "failed": "out/failed-*.parquet"})

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import classify, extract, fit
+from beam_prefix.pipelines import classify, extract, fit
 
 from conftest import SUPPORT_TASK, TEXTS
 
@@ -135,8 +135,8 @@ def test_routing_refuses_outputs_onto_a_task_directory(tmp_path, head_task, no_m
 def test_a_run_that_reads_nothing_it_writes_still_launches(tmp_path, csv_in, monkeypatch, capsys):
     """The check refuses overlap only: an output beside the input (another name) is fine,
     and fitting the head a task names (the fit workflow) is not 'writing what it reads'."""
-    from pipelines.launch_checks import Read, input_reads, refuse_overlap, task_reads
-    from pipelines.publish import Output
+    from beam_prefix.pipelines.launch_checks import Read, input_reads, refuse_overlap, task_reads
+    from beam_prefix.pipelines.publish import Output
 
     refuse_overlap([Output("--output", f"{tmp_path}/labeled", ".parquet"),
                     Output("--summary_output", f"{tmp_path}/labeled-summary.json")],

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import classify, extract, publish
+from beam_prefix.pipelines import classify, extract, publish
 
 from conftest import TEXTS
 
@@ -178,7 +178,7 @@ def test_a_csv_header_that_is_not_utf8_fails_its_rows_at_run_time(tmp_path):
     """A file that appears after launch: its rows fail, named, and the run goes on."""
     from apache_beam.io.filesystem import FileMetadata
 
-    from pipelines.sources import _ParseCsv
+    from beam_prefix.pipelines.sources import _ParseCsv
 
     path = tmp_path / "late.csv"
     path.write_bytes(b"ticket_id,t\xe9xt\nT1,a\nT2,b\n")
@@ -439,7 +439,7 @@ def test_a_job_the_runner_ends_unfinished_writes_nothing(tiny_dir, tmp_path, pip
     head from partial features (`launch.run_to_end`)."""
     import apache_beam as beam
 
-    from pipelines import fit
+    from beam_prefix.pipelines import fit
 
     class Ended:
         def wait_until_finish(self):

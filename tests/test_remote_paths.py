@@ -11,9 +11,9 @@ import time
 import pytest
 from apache_beam.io.filesystems import FileSystems
 
-from pipelines import classify, extract, fit
-from pipelines.launch_checks import refuse_unreachable
-from pipelines.publish import OutputLocationError
+from beam_prefix.pipelines import classify, extract, fit
+from beam_prefix.pipelines.launch_checks import refuse_unreachable
+from beam_prefix.pipelines.publish import OutputLocationError
 
 from conftest import ROOT
 

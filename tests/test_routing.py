@@ -195,7 +195,7 @@ def test_pipeline_with_a_task_directory(tiny_dir, tmp_path, capsys):
     import pyarrow.parquet as pq
     import yaml
 
-    from pipelines import classify
+    from beam_prefix.pipelines import classify
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()

@@ -21,8 +21,8 @@ import yaml
 from beam_prefix import PrefixClassifier, TaskSpec, fit_head
 from beam_prefix.errors import ModelLoadError, TaskSpecError
 from beam_prefix.tasks.trained_head import TrainedHead
-from pipelines import classify, fit, tune
-from pipelines.options import task_path
+from beam_prefix.pipelines import classify, fit, tune
+from beam_prefix.pipelines.options import task_path
 
 from conftest import ROOT, SUPPORT_TASK, TEXTS, tiny_task
 
@@ -124,8 +124,8 @@ def test_tune_summary_onto_the_models_config_is_refused(model_copy, tmp_path, no
 def test_heads_beside_a_model_are_not_the_models_files(model_copy):
     """A fit into a tuned directory may write (or replace) a head there: heads and task
     files are not what a model loader reads."""
-    from pipelines.launch_checks import model_reads, refuse_overlap
-    from pipelines.publish import Output
+    from beam_prefix.pipelines.launch_checks import model_reads, refuse_overlap
+    from beam_prefix.pipelines.publish import Output
 
     m, _ = model_copy
     (m / "old.head").write_bytes(b"x")
@@ -135,8 +135,8 @@ def test_heads_beside_a_model_are_not_the_models_files(model_copy):
 
 def test_the_embedded_models_directory_is_protected_without_converting_it(monkeypatch, tmp_path):
     from beam_prefix.model import loading
-    from pipelines.launch_checks import model_reads, refuse_overlap
-    from pipelines.publish import Output, OutputLocationError
+    from beam_prefix.pipelines.launch_checks import model_reads, refuse_overlap
+    from beam_prefix.pipelines.publish import Output, OutputLocationError
 
     monkeypatch.setenv("BEAM_PREFIX_CACHE", str(tmp_path / "cache"))
     directory = loading.embedded_cache_directory()
@@ -149,7 +149,7 @@ def test_the_embedded_models_directory_is_protected_without_converting_it(monkey
 
 _HOLD = """
 import sys, time
-from pipelines.output_lock import locked
+from beam_prefix.pipelines.output_lock import locked
 with locked([("--output", sys.argv[1])]):
     print("held", flush=True)
     time.sleep(120)
@@ -172,7 +172,7 @@ def test_a_second_run_into_an_output_being_written_is_refused_and_a_killed_holde
     finally:
         holder.kill()  # kill -9: no clean-up of its own
         holder.wait()
-    from pipelines.output_lock import lock_path, locked
+    from beam_prefix.pipelines.output_lock import lock_path, locked
 
     assert os.path.exists(lock_path(out))  # left behind by the killed holder, but not held:
     with locked([("--output", out)]):
@@ -202,7 +202,7 @@ def test_fit_and_tune_lock_their_outputs(tmp_path, tiny_dir, no_model, capsys):
 def test_a_remote_lease_refuses_a_live_holder_and_expires_with_a_dead_one(tmp_path):
     """The lease object stores get (tried on a local path through Beam's FileSystems, as it
     runs on gs://): held while renewed, taken once it expires."""
-    from pipelines.output_lock import Lease, OutputLockedError
+    from beam_prefix.pipelines.output_lock import Lease, OutputLockedError
 
     path = str(tmp_path / ".beam-prefix-lock-x")
     first = Lease(path, flag="--output", output="gs://b/x", lease_s=0.6)

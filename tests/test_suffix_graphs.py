@@ -224,7 +224,7 @@ def test_classify_text_runs_its_suffix_pass_or_packed_where_no_gpu_is(tiny_dir, 
 
 def test_graphs_on_a_cpu_device_are_refused_where_the_step_is_built(tiny_dir, tmp_path, capsys):
     from beam_prefix.beam.classify_transform import ClassifyText
-    from pipelines import classify, extract
+    from beam_prefix.pipelines import classify, extract
 
     with pytest.raises(ValueError, match="suffix_pass='graphs' records CUDA graphs"):
         ClassifyText(task=tiny_task(), model=tiny_dir, suffix_pass="graphs")

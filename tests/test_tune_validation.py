@@ -15,8 +15,8 @@ from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.model.loading import load_model
 from beam_prefix.model.tuning_record import TUNING_FILE, read_record
 from beam_prefix.tasks.trained_head import text_hash
-from pipelines import tune
-from pipelines.local_rows import local_columns
+from beam_prefix.pipelines import tune
+from beam_prefix.pipelines.local_rows import local_columns
 
 from conftest import ROOT
 
@@ -85,11 +85,11 @@ def test_without_a_holdout_the_tuned_model_is_kept_unproven_and_says_so(tiny_dir
 
 
 def test_the_tunings_progress_is_logged_off_a_terminal_and_drawn_on_one(tiny_dir, tmp_path, caplog, capsys):
-    with caplog.at_level(logging.INFO, logger="pipelines.tune"):
+    with caplog.at_level(logging.INFO, logger="beam_prefix.pipelines.tune"):
         _run(tiny_dir, tmp_path, "--layers=1", "--epochs=2", "--holdout=0")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tuning: epoch")]
     assert lines and lines[-1].startswith("tuning: epoch 2/2, step ") and "rows/s, about 0 s left" in lines[-1]
-    from pipelines.progress import TuningProgress
+    from beam_prefix.pipelines.progress import TuningProgress
 
     capsys.readouterr()
     bar = TuningProgress(epochs=2, logger=logging.getLogger("x"), bar=True)

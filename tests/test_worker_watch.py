@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipelines.worker_watch import WorkerLost, WorkerWatch
+from beam_prefix.pipelines.worker_watch import WorkerLost, WorkerWatch
 
 pytestmark = [pytest.mark.skipif(not hasattr(signal, "SIGUSR2"), reason="the watch signals the main thread (POSIX)"),
               pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")]

@@ -19,13 +19,14 @@ TASK = os.path.join(ROOT, "pipelines", "tasks", "support_tickets.yaml")
 
 
 def test_yaml_pipeline_classifies_and_routes_errors(tiny_dir, tmp_path):
+    """The shipped pipeline with a shipped task by its name (a path works the same)."""
     tickets = tmp_path / "tickets.csv"
     tickets.write_text("ticket_id,text,label\nT1,I was charged twice,billing\nT2,The app crashes,technical\n"
                        "T3,,account\nT4,please delete my account,account\n", encoding="utf-8")
     out = tmp_path / "out"
     yaml_main.run(argv=[
         f"--yaml_pipeline_file={PIPELINE}", "--runner=DirectRunner",
-        "--jinja_variables=" + json.dumps({"input": str(tickets), "output": str(out), "task": TASK,
+        "--jinja_variables=" + json.dumps({"input": str(tickets), "output": str(out), "task": "support_tickets",
                                            "model": tiny_dir})])
     labeled = {r["ticket_id"]: r for r in _read_jsonl(f"{out}/labeled.json*")}
     errors = _read_jsonl(f"{out}/errors.json*")

@@ -16,7 +16,7 @@ by the same folds: the weight (0 drops the n-grams) whose combined out-of-fold a
 most often right. With `label_rows`, the task's own words join the training rows
 (`task_label_rows`: each label's name read as text, and its description): they train
 every fold's regressions and the final one, and are never held out, so the fold accuracy
-stays a measure on the labelled rows alone. `python -m pipelines.fit` does the same with
+stays a measure on the labelled rows alone. `python -m beam_prefix.pipelines.fit` does the same with
 the features computed by a Beam pipeline on any runner.
 """
 

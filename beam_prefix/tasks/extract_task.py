@@ -45,6 +45,7 @@ from typing import Any, Mapping
 
 from beam_prefix.errors import TaskSpecError
 from beam_prefix.tasks.task import PromptTask, TaskSpec, _as_sequence, _short, validate_common
+from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.task_file import read_task_file
 
 __all__ = ["Field", "ExtractExample", "ExtractionSpec", "FIELD_TYPES", "load_task"]
@@ -248,14 +249,15 @@ class ExtractionSpec(PromptTask):
 
 
 def load_task(source) -> TaskSpec | ExtractionSpec:
-    """A task of either kind from a task file path or a parsed mapping (by its ``kind:``);
-    a task object is returned as it is."""
+    """A task of either kind from a task file path, a shipped task's name
+    (`shipped.resolve_task`) or a parsed mapping (by its ``kind:``); a task object is
+    returned as it is."""
     if isinstance(source, (TaskSpec, ExtractionSpec)):
         return source
     if isinstance(source, Mapping):
         data, where, path = source, "task", None
     else:
-        path = os.fspath(source)
+        path = resolve_task(source)
         data, where = read_task_file(path), f"task file {path!r}"
     kind = data.get("kind", "classify") if isinstance(data, Mapping) else "classify"
     if kind not in ("classify", "extract"):

@@ -24,7 +24,7 @@ Task file format::
     scoring: auto                # auto, first_token or sequence
     label_search: auto           # sequence scoring: auto, pruned (exact to label_tolerance) or exhaustive
     label_tolerance: 1.0e-5      # pruned search stops when unexplored mass < this x resolved mass
-    # or, with a head fit on labelled rows (python -m pipelines.fit):
+    # or, with a head fit on labelled rows (python -m beam_prefix.pipelines.fit):
     scoring: head
     head: support_tickets.head   # relative to the task file
 """
@@ -37,6 +37,7 @@ import string
 from typing import Any, Mapping, Sequence
 
 from beam_prefix.errors import TaskSpecError
+from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.task_file import MAX_TASK_FILE_BYTES, _cut, nesting_depth, read_task_file
 
 __all__ = ["Label", "Example", "TaskSpec", "PromptTask", "read_task_file", "validate_common", "suffix_parts", "nesting_depth", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
@@ -228,7 +229,7 @@ class TaskSpec(PromptTask):
         head's probabilities are its own); a head needs ``scoring: head``."""
         if self.head is None:
             if self.scoring == "head":
-                raise TaskSpecError("scoring: head needs a head (head: FILE; fit one with python -m pipelines.fit)")
+                raise TaskSpecError("scoring: head needs a head (head: FILE; fit one with python -m beam_prefix.pipelines.fit)")
             return
         if self.scoring != "head":
             raise TaskSpecError(f"head: a trained head is used with scoring: head, not {self.scoring!r}")
@@ -286,9 +287,10 @@ class TaskSpec(PromptTask):
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, *, data: Any = None) -> "TaskSpec":
-        """Read a task file (YAML, safe-loaded). ``data``: its parsed document, where the caller
-        has read it already (`task_file.read_task_file`), so that one reading serves all."""
-        path = os.fspath(path)
+        """Read a task file (YAML, safe-loaded), or a shipped task by its name
+        (``"support_tickets"``: `shipped.resolve_task`). ``data``: its parsed document, where
+        the caller has read it already (`task_file.read_task_file`), so that one reading serves all."""
+        path = resolve_task(path)
         spec = cls.from_dict(read_task_file(path) if data is None else data, source=f"task file {path!r}",
                              base_dir=os.path.dirname(os.path.abspath(path)))
         if spec.name == "task":

@@ -90,10 +90,10 @@ def _validate(where: str, labels, layers, weight, bias, mean, std) -> None:
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise TaskSpecError(f"{where}: {bad} of {t.numel()} values of {name} are not finite (NaN or inf); "
-                                f"fit the head again (python -m pipelines.fit)")
+                                f"fit the head again (python -m beam_prefix.pipelines.fit)")
     if not bool((std > 0).all()):
         raise TaskSpecError(f"{where}: std holds {int((std <= 0).sum())} values <= 0 (features are divided by it); "
-                            f"fit the head again (python -m pipelines.fit)")
+                            f"fit the head again (python -m beam_prefix.pipelines.fit)")
 
 
 def dtype_for(heads, dtype: str | None) -> str:
@@ -111,14 +111,14 @@ def dtype_for(heads, dtype: str | None) -> str:
     if dtype is None:
         if len(recorded) > 1:
             raise ValueError(f"the tasks' heads were fit in different dtypes {sorted(recorded)}; one step runs "
-                             f"one: fit them in one dtype (python -m pipelines.fit --dtype)")
+                             f"one: fit them in one dtype (python -m beam_prefix.pipelines.fit --dtype)")
         return next(iter(recorded), "float32")
     other = [h for d, h in recorded.items() if d != dtype]
     if other:
         h = other[0]
         raise ValueError(f"dtype={dtype!r}, but head {h.source or h.identity} was fit in {h.dtype}, and a head "
                          f"answers only in the precision it was fit in: leave dtype out (it follows the head), or "
-                         f"fit a head in {dtype} (python -m pipelines.fit --dtype {dtype})")
+                         f"fit a head in {dtype} (python -m beam_prefix.pipelines.fit --dtype {dtype})")
     return dtype
 
 
@@ -232,7 +232,7 @@ class TrainedHead:
         if fingerprint != self.fingerprint:
             raise TaskSpecError(f"{where} was fit on features {self.fingerprint}, task {task!r} on model {model} "
                                 f"gives features {fingerprint} (another prompt, model, dtype or layers): fit the head "
-                                f"again for this task and model (python -m pipelines.fit)")
+                                f"again for this task and model (python -m beam_prefix.pipelines.fit)")
 
     # -- the file ---------------------------------------------------------------------------
 
@@ -314,7 +314,7 @@ def _copy_remote(url: str, target: str) -> str:
     except Exception as e:  # noqa: BLE001 - no such bucket, no credentials...
         raise TaskSpecError(f"head file {url!r} cannot be read: {type(e).__name__}: {e}") from None
     if not found:
-        raise TaskSpecError(f"head file {url!r} does not exist (fit one with python -m pipelines.fit)")
+        raise TaskSpecError(f"head file {url!r} does not exist (fit one with python -m beam_prefix.pipelines.fit)")
     if found[0].size_in_bytes > MAX_HEAD_FILE_BYTES:
         raise TaskSpecError(f"head file {url!r} is {found[0].size_in_bytes / 2**20:.0f} MB; a head file is at "
                             f"most {MAX_HEAD_FILE_BYTES // 2**20} MB")
@@ -331,7 +331,7 @@ def _check_regular(path: str) -> None:
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise TaskSpecError(f"head file {path!r} does not exist (fit one with python -m pipelines.fit)") from None
+        raise TaskSpecError(f"head file {path!r} does not exist (fit one with python -m beam_prefix.pipelines.fit)") from None
     except OSError as e:
         raise TaskSpecError(f"head file {path!r} cannot be read: {e.strerror or e}") from None
     if not stat.S_ISREG(info.st_mode):

@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from pipelines.paths import RUN_TAG, entries, is_local, join, matches, new_run_tag, split
+from beam_prefix.pipelines.paths import RUN_TAG, entries, is_local, join, matches, new_run_tag, split
 
 __all__ = ["FeatureStaging", "write_head", "STAGING_PREFIX"]
 
-_LOGGER = logging.getLogger("pipelines.fit")
+_LOGGER = logging.getLogger("beam_prefix.pipelines.fit")
 STAGING_PREFIX = ".beam-prefix-fit-"
 
 

@@ -28,8 +28,8 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 
 from beam_prefix.beam.classify_dofn import FAILED_TAG, failed_record
 from beam_prefix.tasks.task_file import nesting_depth
-from pipelines.options import SAMPLE_TICKETS, StepOptions
-from pipelines.paths import regular_files
+from beam_prefix.pipelines.options import SAMPLE_TICKETS, StepOptions
+from beam_prefix.pipelines.paths import regular_files
 
 __all__ = ["read_rows", "input_schema", "known_columns", "require_columns", "input_format", "describe_input",
            "failed_record", "SAMPLED_LINES"]

@@ -5,7 +5,7 @@ the apitools ``BigqueryV2`` client (fixed base URL), the Storage Read API client
 with no arguments) and ``google.cloud.bigquery.Client`` (default credentials). `install`
 redirects all three, with no credentials, and records the endpoint in an environment
 variable so that worker processes started from this one redirect theirs when they import
-this module: pass ``--beam_plugins=pipelines.bigquery_endpoint`` (the classify pipeline
+this module: pass ``--beam_plugins=beam_prefix.pipelines.bigquery_endpoint`` (the classify pipeline
 does this whenever ``--bigquery_endpoint`` is given). Production runs never call it and
 use Beam's connectors untouched.
 

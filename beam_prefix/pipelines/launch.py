@@ -25,18 +25,18 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 
 from beam_prefix.beam.classify_dofn import FAILED_TAG
 from beam_prefix.errors import ModelLoadError
-from pipelines import bigquery_endpoint
-from pipelines.options import ClassifyOptions, StepOptions, refuse_unknown_flags, validate
-from pipelines.publish import Output, Staging
-from pipelines.launch_checks import (hold_outputs, refuse_overlap, refuse_table_overlap, refuse_unreachable, remote_paths,
+from beam_prefix.pipelines import bigquery_endpoint
+from beam_prefix.pipelines.options import ClassifyOptions, StepOptions, refuse_unknown_flags, validate
+from beam_prefix.pipelines.publish import Output, Staging
+from beam_prefix.pipelines.launch_checks import (hold_outputs, refuse_overlap, refuse_table_overlap, refuse_unreachable, remote_paths,
                                      run_reads)
-from pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
-from pipelines.sources import read_rows
-from pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
+from beam_prefix.pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
+from beam_prefix.pipelines.sources import read_rows
+from beam_prefix.pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
                                write_json)
-from pipelines.worker_watch import WorkerWatch
+from beam_prefix.pipelines.worker_watch import WorkerWatch
 
-__all__ = ["Plan", "build", "read_run_write", "run", "main", "in_process_main", "explain", "RunFailed",
+__all__ = ["Plan", "build", "read_run_write", "run", "main", "invoked_as", "in_process_main", "explain", "RunFailed",
            "run_to_end", "exit_process"]
 
 _LOGGER = logging.getLogger("pipelines")
@@ -174,7 +174,7 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         flag_classes: the pipeline's own option classes (with Beam's, every flag it knows).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    refuse_unknown_flags(argv, flag_classes, f"python -m pipelines.{kind}")
+    refuse_unknown_flags(argv, flag_classes, invoked_as(kind))
     if PipelineOptions(argv).view_as(StepOptions).bigquery_endpoint:
         # worker processes import the seam as a plugin and redirect their clients too
         # (a flag, not an attribute set later: workers receive the parsed flags)
@@ -280,6 +280,15 @@ def _cut(text: str, limit: int) -> str:
     return f"{head} ..."
 
 
+def invoked_as(cli: str) -> str:
+    """How this process ran the CLI ``cli`` (``classify``, ``fit``...), for its usage and error
+    lines: ``python -m pipelines.classify`` from a checkout's runner, else the installed module
+    ``python -m beam_prefix.pipelines.classify``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = spec.name if spec is not None and spec.name == f"pipelines.{cli}" else f"beam_prefix.pipelines.{cli}"
+    return f"python -m {module}"
+
+
 def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOptions, ClassifyOptions)) -> int:
     """Run `run_fn(argv, on_plan=...)` from the command line. Exit status: 0 done, 1 the run
     failed or lost rows, 2 bad flags, input, task file or output location (found before the
@@ -289,8 +298,7 @@ def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOp
         _print_help(prog, doc, options)
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("beam_prefix", "pipelines"):  # progress lines, not Beam's own chatter
-        logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("beam_prefix").setLevel(logging.INFO)  # progress lines, not Beam's own chatter
     plan: list[Plan] = []
     stop = StopSignal()
     try:
@@ -381,8 +389,7 @@ def in_process_main(argv: list[str] | None, run_fn, report, *, logger: logging.L
     `pipelines.tune`) and print `report(summary)`. Exit status: 0 done, 1 the run failed,
     2 bad flags or input (a ValueError)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("beam_prefix", "pipelines"):
-        logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("beam_prefix").setLevel(logging.INFO)
     stop = StopSignal()
     try:
         with stop_on_sigterm(stop):

@@ -43,10 +43,10 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from beam_prefix.model.loading import EMBEDDED, embedded_cache_directory
 from beam_prefix.model.tuning_record import TUNING_FILE
 from beam_prefix.tasks.task_file import read_task_file
-from pipelines.options import DEFAULT_TASKS, SAMPLE_TICKETS, ClassifyOptions, StepOptions, task_path
-from pipelines.output_lock import locked
-from pipelines.paths import is_local, join, matches, split
-from pipelines.publish import Output, OutputLocationError, Staging
+from beam_prefix.pipelines.options import DEFAULT_TASKS, SAMPLE_TICKETS, ClassifyOptions, StepOptions, task_path
+from beam_prefix.pipelines.output_lock import locked
+from beam_prefix.pipelines.paths import is_local, join, matches, split
+from beam_prefix.pipelines.publish import Output, OutputLocationError, Staging
 
 __all__ = ["Read", "input_reads", "task_reads", "model_reads", "run_reads", "refuse_overlap", "refuse_table_overlap",
            "refuse_collisions", "refuse_inside", "hold_outputs", "files_of", "refuse_unreachable", "remote_paths",

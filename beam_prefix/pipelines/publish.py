@@ -38,7 +38,7 @@ import re
 
 from apache_beam.io.filesystems import FileSystems
 
-from pipelines.paths import RUN_TAG, entries, is_local as _local, join as _join, new_run_tag, split as _split
+from beam_prefix.pipelines.paths import RUN_TAG, entries, is_local as _local, join as _join, new_run_tag, split as _split
 
 __all__ = ["Output", "Staging", "OutputLocationError", "PublishError", "SHARD_TEMPLATE"]
 

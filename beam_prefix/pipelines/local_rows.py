@@ -16,7 +16,7 @@ from typing import Sequence
 
 import pyarrow.parquet as pq
 
-from pipelines.paths import regular_files
+from beam_prefix.pipelines.paths import regular_files
 
 __all__ = ["local_paths", "local_columns"]
 

@@ -25,7 +25,7 @@ from beam_prefix.tasks.trained_head import feature_fingerprint
 
 __all__ = ["fit_candidates", "ms_per_row", "TIMED_ROWS"]
 
-_LOGGER = logging.getLogger("pipelines.fit")
+_LOGGER = logging.getLogger("beam_prefix.pipelines.fit")
 TIMED_ROWS = 32  # the batch each candidate's features are timed on
 
 

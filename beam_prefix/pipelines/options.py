@@ -20,6 +20,7 @@ from apache_beam.options import pipeline_options as beam_options
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions
 
 from beam_prefix.model.loading import EMBEDDED, check_device
+from beam_prefix.tasks.shipped import resolve_task, shipped_data_path
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.task_file import read_task_file
 from beam_prefix.beam.classify_transform import ClassifyText
@@ -27,9 +28,7 @@ from beam_prefix.beam.classify_transform import ClassifyText
 __all__ = ["StepOptions", "ClassifyOptions", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "refuse_local_paths", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-TASKS_DIR = os.path.join(_HERE, "tasks")
-SAMPLE_TICKETS = os.path.join(_HERE, "data", "sample_tickets.parquet")
+SAMPLE_TICKETS = shipped_data_path("sample_tickets.parquet")
 SAMPLE_GOLD_COLUMN = "label"  # the sample's hand-assigned labels
 DEFAULT_TASK = "support_tickets"
 # per pipeline: what --task and --output default to
@@ -165,11 +164,9 @@ class ClassifyOptions(PipelineOptions):
 
 
 def task_path(task: str) -> str:
-    """A task flag as a file path: a shipped task's name, or a path as given."""
-    shipped = os.path.join(TASKS_DIR, f"{task}.yaml")
-    if os.sep not in task and not task.endswith((".yaml", ".yml")) and os.path.exists(shipped):
-        return shipped
-    return task
+    """A task flag as a file path: a shipped task's name, or a path as given (the library's
+    one rule, `shipped.resolve_task`)."""
+    return resolve_task(task)
 
 
 def validate(options: PipelineOptions) -> None:

@@ -33,8 +33,8 @@ from typing import Iterable, Iterator
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from pipelines.paths import is_local, join, split
-from pipelines.publish import OutputLocationError
+from beam_prefix.pipelines.paths import is_local, join, split
+from beam_prefix.pipelines.publish import OutputLocationError
 
 __all__ = ["OutputLockedError", "LOCK_PREFIX", "LEASE_S", "lock_path", "locked", "FileLock", "Lease"]
 

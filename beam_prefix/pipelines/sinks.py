@@ -24,9 +24,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from beam_prefix.beam.classify_dofn import FAILED_TAG, TOP_K_COLUMN, ClassifyConfig, failed_record
 from beam_prefix.beam.schemas import failed_values
 from beam_prefix.beam.schemas import json_text as to_json  # the pipelines' name for it
-from pipelines.options import StepOptions
-from pipelines.sources import require_columns
-from pipelines.summary import STASHED_KEYS
+from beam_prefix.pipelines.options import StepOptions
+from beam_prefix.pipelines.sources import require_columns
+from beam_prefix.pipelines.summary import STASHED_KEYS
 
 __all__ = ["kept_columns", "labeled_schema", "FAILED_SCHEMA", "ToOutputRow", "failed_output_row",
            "bigquery_schema", "bigquery_write_args", "write", "Destination", "destinations", "to_json"]

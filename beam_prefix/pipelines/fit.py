@@ -1,0 +1,297 @@
+"""Fit a trained head for a classification task from labelled rows.
+
+    python -m pipelines.fit --task pipelines/tasks/support_tickets.yaml \\
+        --input pipelines/data/sample_tickets.csv --label_column label --output support_tickets.head
+    python -m pipelines.fit --task banking77_head --input train.csv --label_column category \\
+        --output banking77.head --runner=DataflowRunner ...   # features on any runner
+
+The rows are read with the same flags and IO layer as the other pipelines; each row's
+features (`beam_prefix.beam.embed_transform.EmbedText`: the hidden state(s) at its last prompt
+position, the same batched cached engine) are computed by a Beam pipeline and staged
+beside the output, on its file system (`pipelines.fit_io`: local, gs:// or any Beam
+FileSystem); then, in this process, a multinomial logistic regression is fit on
+them (scikit-learn's `LogisticRegressionCV`: the regularisation chosen by stratified
+k-fold cross-validation on standardised features) and written as a head file
+(`beam_prefix.tasks.trained_head`) with the fold accuracy and per-label F1. The label column is
+checked before any model work: labels the task lacks, task labels with no row, fewer than
+two classes. Exit statuses as the other pipelines: 0 done, 1 the run failed, 2 bad flags
+or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import time
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
+from beam_prefix.engines import feature_search
+from beam_prefix.engines.head_fitting import check_labels, fit_head_from_features as fit_head, task_label_rows
+from beam_prefix.model.loading import EMBEDDED, precision_of
+from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
+from beam_prefix.pipelines import bigquery_endpoint, fit_search
+from beam_prefix.pipelines.fit_io import FeatureStaging, write_head
+from beam_prefix.pipelines.launch import exit_process, in_process_main, invoked_as, run_to_end
+from beam_prefix.pipelines.local_rows import local_columns, local_paths
+from beam_prefix.pipelines.summary import write_json
+from beam_prefix.pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_local_paths, refuse_unknown_flags,
+                               task_path, task_without_head)
+from beam_prefix.pipelines.publish import Output
+from beam_prefix.pipelines.launch_checks import (hold_outputs, refuse_collisions, refuse_overlap, refuse_unreachable, remote_paths,
+                                     run_reads)
+from beam_prefix.pipelines.sources import input_format, read_rows, require_columns, input_schema
+
+__all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
+
+_LOGGER = logging.getLogger("beam_prefix.pipelines.fit")
+
+# the shared flags that are about row outputs, which a fit does not write (its one output is
+# the head file): refused when given rather than ignored, so the fit Flex Template's
+# parameters are exactly what the run reads
+NOT_FOR_FIT = ("columns_to_keep", "output_format", "output_table", "failed_output", "failed_output_table",
+               "bigquery_write_method")
+
+
+class FitOptions(PipelineOptions):
+    """Flags of the fit pipeline beyond the shared ones (`StepOptions`; --output is the head file)."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        group = parser.add_argument_group("fitting a head")
+        group.add_argument("--label_column", default=None, help="pipelines.fit: the column holding each row's label.")
+        group.add_argument("--layers", default=None,
+                           help="pipelines.fit: hidden-state indices the head reads, comma-separated: -1 the final "
+                                "normalised state; e.g. -1,20 adds layer 20. Default: chosen by folds with the "
+                                "pooling among a few candidates (see --prefer), in --dtype's precision, unless "
+                                "--layers or --pooling is given (then -1).")
+        group.add_argument("--pooling", default=None, choices=("last", "mean"),
+                           help="pipelines.fit: the hidden states at each row's last position (last) or their mean "
+                                "over the row's own (suffix) positions (mean). Default: chosen by folds with the "
+                                "layers, unless --layers or --pooling is given (then last).")
+        group.add_argument("--prefer", default="balanced", choices=("accuracy", "balanced", "cost"),
+                           help="pipelines.fit, features chosen by folds: the most accurate candidate (accuracy), "
+                                "or the cheapest per row within 0.5 (balanced, default) or 2 (cost) points of "
+                                "its fold accuracy.")
+        group.add_argument("--lexical", default="true", choices=("true", "false"),
+                           help="pipelines.fit: also fit a regression on the rows' word and character n-grams and "
+                                "weigh it beside the hidden states by the same folds (true, default; the folds may "
+                                "give it weight 0, and then the head has none), or not (false).")
+        group.add_argument("--label_rows", default="false", choices=("true", "false"),
+                           help="pipelines.fit: also train on the task's own words, each label's name read as text "
+                                "(card_arrival as 'card arrival') and its description: rows that train every fold "
+                                "and the head, never held out (true), or not (false, default).")
+        group.add_argument("--folds", type=int, default=5,
+                           help="pipelines.fit: folds of the stratified cross-validation that chooses the "
+                                "regularisation (fewer when a label has fewer rows).")
+
+
+def _labels_at_launch(options: PipelineOptions, column: str):
+    """The label column of file inputs, read before any model work (None for BigQuery)."""
+    o = options.view_as(StepOptions)
+    if not o.input:
+        return None
+    paths = local_paths(o.input)
+    if not paths:
+        return None  # remote files: checked when the features are back
+    # (a JSON line that does not parse fails as a row, as in classify: not a label)
+    return [r[0] for r in local_columns(paths, input_format(options), [column]) if r is not None]
+
+
+class _Shape(beam.DoFn):
+    """An embedded row -> (label, text hash, features) for the staged features file."""
+
+    def __init__(self, text_column: str, label_column: str):
+        self._text, self._label = text_column, label_column
+
+    def process(self, row):
+        text = row.get(self._text)
+        text = text.decode("utf-8") if isinstance(text, bytes) else str(text or "")  # (bytes that failed to decode failed)
+        yield {"label": "" if row.get(self._label) is None else str(row[self._label]),
+               "hash": text_hash(text), "text": text, "prompt": row["prompt_fingerprint"],
+               FEATURES_COLUMN: row[FEATURES_COLUMN]}
+
+
+def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = None) -> dict:
+    """Compute the features (a Beam pipeline), fit the head, write it; returns a summary."""
+    argv = join_negative_lists(list(sys.argv[1:] if argv is None else argv), ("--layers",))
+    refuse_unknown_flags(argv, (StepOptions, FitOptions), invoked_as("fit"))
+    options = PipelineOptions(argv)
+    o, f = options.view_as(StepOptions), options.view_as(FitOptions)
+    if not o.output or not f.label_column:
+        raise ValueError("pipelines.fit needs --output (the head file to write) and --label_column")
+    if o.output.endswith("/") or ("://" not in o.output and os.path.isdir(o.output)):
+        raise ValueError(f"--output={o.output!r} is a directory; give the head file's path, e.g. support.head")
+    if f.folds < 2:
+        raise ValueError(f"--folds must be >= 2, got {f.folds}")
+    refuse_local_paths(options, ("output", "summary_output"))  # on Dataflow: its workers stage beside --output
+    defaults = PipelineOptions([]).view_as(StepOptions)
+    given = [name for name in NOT_FOR_FIT if getattr(o, name) != getattr(defaults, name)]
+    if given:
+        raise ValueError(f"--{given[0]} does not apply to pipelines.fit: it writes one head file (--output) "
+                         f"and, with --summary_output, its summary JSON; it writes no rows")
+    # no feature flag: the features are chosen by folds (pipelines.fit_search), in the
+    # precision --dtype names (it changes each candidate's cost, not which are compared)
+    search = f.layers is None and f.pooling is None
+    o.dtype = o.dtype or "float32"  # (a fit makes the head: no head's precision to follow)
+    layers = None if search else parse_layers(f.layers or "-1")
+    task_file = task_path(o.task or "support_tickets")
+    # the head this run writes may replace the one the task names (not read here), never
+    # the input, the task file or the model
+    outputs = [Output("--output", o.output)] + ([Output("--summary_output", o.summary_output)]
+                                                if o.summary_output else [])
+    refuse_unreachable(remote_paths(options, outputs))  # in seconds, before any check reads them
+    refuse_collisions(outputs)
+    refuse_overlap(outputs, run_reads(options, "fit", task_file=task_file, with_head=False))
+    with contextlib.ExitStack() as held:
+        hold_outputs(held, outputs)  # another fit of the same head would replace this one's
+        return _fit(options, task_file, layers, test_pipeline)
+
+
+def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | None, test_pipeline) -> dict:
+    """The fit itself, once the flags and outputs are checked and locked (`layers` None: the
+    features chosen by folds)."""
+    o, f = options.view_as(StepOptions), options.view_as(FitOptions)
+    task = task_without_head(task_file)
+    found = None
+    pooling = f.pooling or "last"
+    if layers is None:
+        from beam_prefix.model.loading import load_config
+
+        found = feature_search.candidates(load_config(o.model or task.model or EMBEDDED).get_text_config()
+                                          .num_hidden_layers)
+        layers, pooling = feature_search.union(found)
+    if o.bigquery_endpoint:
+        bigquery_endpoint.install(bigquery_endpoint.Endpoint(rest=o.bigquery_endpoint, grpc=o.bigquery_storage_endpoint,
+                                                             project=None))
+    schema = input_schema(options)
+    require_columns(options, schema, {"--text_column": [o.text_column], "--label_column": [f.label_column]})
+    launch_labels = _labels_at_launch(options, f.label_column)
+    if launch_labels is not None:
+        check_labels(task, launch_labels)  # before any model work
+    embed = EmbedText(task=task, layers=layers, model=o.model, text_column=o.text_column, id_column=o.id_column,
+                      dtype=o.dtype, threads=o.torch_threads, batch_size=o.batch_size or 16,
+                      max_text_tokens=o.max_text_tokens, overflow=o.overflow,
+                      min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size, verify=o.verify == "true",
+                      keep_columns=[o.text_column, f.label_column], device=o.device, pooling=pooling)
+    embed.config.check_fits()
+    staging = FeatureStaging(o.output)  # on the head's own file system: workers anywhere can deliver
+    staging.prepare()
+    try:
+        p = test_pipeline or beam.Pipeline(options=options)
+        rows, unparseable = read_rows(p, options)
+        result = rows | "EmbedText" >> embed
+        staged = pa.schema([("label", pa.string()), ("hash", pa.int64()), ("text", pa.string()),
+                            ("prompt", pa.string()), (FEATURES_COLUMN, pa.list_(pa.float32()))])
+        _ = (result.embedded | "Shape" >> beam.ParDo(_Shape(o.text_column, f.label_column))
+             | "WriteFeatures" >> beam.io.WriteToParquet(staging.features, staged, file_name_suffix=".parquet"))
+        if f.label_rows == "true":  # the task's own words, through the same step: the same features
+            texts, names = task_label_rows(task)
+            extra = (p | "LabelRows" >> beam.Create([{o.text_column: t, f.label_column: n} for t, n in zip(texts, names)])
+                     | "EmbedLabelRows" >> embed)
+            _ = (extra.embedded | "ShapeLabelRows" >> beam.ParDo(_Shape(o.text_column, f.label_column))
+                 | "WriteLabelRows" >> beam.io.WriteToParquet(staging.label_rows, staged, file_name_suffix=".parquet"))
+            # (not input rows: not counted as failed ones; a missing one is an error below)
+        failed = ((unparseable, result.failed) | "AllFailed" >> beam.Flatten()
+                  | "Count" >> beam.combiners.Count.Globally())
+        _ = failed | "WriteFailedCount" >> beam.io.WriteToText(staging.failed)
+        start = time.perf_counter()
+        run_to_end(p)  # a job the runner ended unfinished leaves partial features: no head from them
+        features_s = time.perf_counter() - start
+        table, n_failed = staging.read()
+        # in one order whatever order the workers delivered the rows in: the folds that
+        # choose the head's regularisation split rows by position, so the head is the same
+        # on every runner and run
+        table = table.sort_by([("hash", "ascending"), ("text", "ascending"), ("label", "ascending")])
+        labels = table.column("label").to_pylist()
+        check_labels(task, labels)  # again: what the run actually read (BigQuery, remote files, failed rows)
+        features = np.asarray(table.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32)
+        prompts = set(table.column("prompt").to_pylist())
+        if len(prompts) != 1:
+            raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
+        prompt = prompts.pop()
+        extra = None
+        if f.label_rows == "true":
+            rows_of_labels = staging.read_label_rows()
+            expected = len(task_label_rows(task)[0])
+            staged_rows = 0 if rows_of_labels is None else rows_of_labels.num_rows
+            if staged_rows != expected:
+                raise ValueError(f"{expected - staged_rows} of the task's {expected} label rows failed "
+                                 f"(a label name or description the step refused, e.g. longer than "
+                                 f"--max_text_tokens with --overflow reject); fit without --label_rows or change them")
+            if set(rows_of_labels.column("prompt").to_pylist()) - {prompt}:
+                raise RuntimeError("the task's label rows came from another prompt than the rows'")
+            extra = (np.asarray(rows_of_labels.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32),
+                     rows_of_labels.column("label").to_pylist(), rows_of_labels.column("text").to_pylist(),
+                     rows_of_labels.column("hash").to_pylist())
+        # (the n-grams read each row's whole text; a row cut at --max_text_tokens is read cut
+        # when classified)
+        texts = table.column("text").to_pylist()
+        hashes = table.column("hash").to_pylist()
+        searched = {}
+        if found is not None:
+            costs = fit_search.ms_per_row(embed.config.model, o.dtype, task, texts, found)
+            head, table_of, chosen = fit_search.fit_candidates(
+                found, layers, features, labels, hashes, task, prompt=prompt, dtype=o.dtype, folds=f.folds,
+                texts=texts if f.lexical == "true" else None, extra=extra, prefer=f.prefer, costs=costs)
+            searched = {"candidates": table_of, "chosen": chosen}
+            layers, pooling = head.layers, head.pooling
+        else:
+            head = fit_head(features, labels, hashes, task, layers=layers,
+                            fingerprint=feature_fingerprint(prompt, precision_of(o.dtype), layers, pooling),
+                            folds=f.folds, pooling=pooling, texts=texts if f.lexical == "true" else None, extra=extra,
+                            dtype=o.dtype)
+    finally:
+        staging.delete()
+    write_head(head, o.output)  # all or nothing
+    summary = {"head": o.output, "task": task.name, "rows_used": len(labels), "rows_failed": n_failed,
+               "features": int(head.features), "layers": list(layers), "pooling": pooling,
+               "features_s": round(features_s, 2), **searched,
+               "lexical_alpha": head.lexical.alpha if head.lexical is not None else 0.0,
+               "label_rows": head.metrics.get("label_rows", 0),
+               **{k: v for k, v in head.metrics.items() if k not in ("per_label_f1", "feature_search")},
+               "worst_label_f1": sorted(head.metrics.get("per_label_f1", {}).items(), key=lambda kv: kv[1])[:5]}
+    if o.summary_output:  # where a Flex Template's launcher output is not at hand
+        write_json(summary, o.summary_output)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run from the command line: 0 done, 1 the run failed, 2 bad flags or input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        parser = argparse.ArgumentParser(prog=invoked_as("fit"), description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        StepOptions._add_argparse_args(parser)
+        FitOptions._add_argparse_args(parser)
+        parser.print_help()
+        return 0
+    return in_process_main(argv, run, _format, logger=_LOGGER)
+
+
+def _format(s: dict) -> str:
+    lines = [fit_search.format_table(s["candidates"], s["chosen"])] if s.get("candidates") else []
+    lines += [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']}, "
+              f"{s.get('pooling', 'last')} pooling)",
+              f"rows: {s['rows_used']} used, {s['rows_failed']} failed",
+              f"features: {s['features_s']:.1f} s; fit: {s['fit_s']:.1f} s"]
+    if s.get("kfold_accuracy") is None:  # a label with one row: nothing to hold out
+        lines.append(f"no cross-validation ({s.get('note', 'too few rows per label')}); C={s.get('C')}")
+    else:
+        lines.append(f"{s['folds']}-fold accuracy {s['kfold_accuracy']:.1%} at C={s.get('C')}"
+                     + (f", n-grams weighed {s['lexical_alpha']:g} (hidden states alone: "
+                        f"{s['kfold_accuracy_hidden_states']:.1%})" if s.get("kfold_accuracy_hidden_states") is not None
+                        else ""))
+        lines.append("lowest per-label F1: " + ", ".join(f"{n} {v:.2f}" for n, v in s["worst_label_f1"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    exit_process(main())
