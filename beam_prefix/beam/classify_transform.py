@@ -1,6 +1,6 @@
 """`ClassifyText`: the composite transform to drop into an existing Beam pipeline.
 
-    result = rows | ClassifyText(task="pipelines/tasks/support_tickets.yaml", text_column="text")
+    result = rows | ClassifyText(task="support_tickets", text_column="text")
     result.labeled  # input columns + label, score, prob_<label>..., [top_k], truncated, prompt_fingerprint, model
     result.failed   # {"row", "id", "reason", "error", "stage"}
 

@@ -1,6 +1,6 @@
 """`EmbedText`: each row's feature vector from the cached forward, as a Beam step.
 
-    result = rows | EmbedText(task="pipelines/tasks/support_tickets.yaml", layers=(-1,))
+    result = rows | EmbedText(task="support_tickets", layers=(-1,))
     result.embedded  # input columns + features (list of floats), truncated, prompt_fingerprint, model
     result.failed    # {"row", "id", "reason", "error", "stage"}
 

@@ -1,6 +1,6 @@
 """`ExtractFields`: structured extraction as a Beam step, beside `ClassifyText`.
 
-    result = rows | ExtractFields(task="pipelines/tasks/ticket_fields.yaml", text_column="text")
+    result = rows | ExtractFields(task="ticket_fields", text_column="text")
     result.extracted  # input columns + one column per field, raw_output, truncated, prompt_fingerprint, model
     result.failed     # {"row", "id", "reason", "error", "stage"}
 

@@ -13,7 +13,7 @@ and the outputs are addressable as ``ClassifyText.labeled`` and ``ClassifyText.f
         - type: ClassifyText
           input: ReadTickets
           config:
-            task: pipelines/tasks/support_tickets.yaml
+            task: support_tickets
             text_column: text
             error_handling: {output: errors}
 

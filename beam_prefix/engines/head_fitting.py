@@ -1,7 +1,7 @@
 """Fitting a trained head (`TrainedHead`) on labelled rows, inside one Python program.
 
     from beam_prefix import PrefixClassifier, TaskSpec, fit_head
-    clf = PrefixClassifier.load(TaskSpec.from_yaml("pipelines/tasks/support_tickets.yaml"))
+    clf = PrefixClassifier.load(TaskSpec.from_yaml("support_tickets"))
     head = fit_head(clf, texts, labels, layers=(-1,))          # features by the cached engine
     head.save("support.head")
     task = clf.task.replace(scoring="head", head=head, calibration=False)

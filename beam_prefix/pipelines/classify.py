@@ -1,8 +1,8 @@
 """Classify text rows from Parquet, JSONL, CSV or BigQuery; write labelled and failed rows.
 
-    python -m pipelines.classify --runner=DirectRunner            # embedded defaults
-    python -m pipelines.classify --input 'data/*.parquet' --text_column body --id_column id
-    python -m pipelines.classify --input_table proj:ds.tickets --output_table proj:ds.labeled \\
+    python -m beam_prefix.pipelines.classify --runner=DirectRunner            # embedded defaults
+    python -m beam_prefix.pipelines.classify --input 'data/*.parquet' --text_column body --id_column id
+    python -m beam_prefix.pipelines.classify --input_table proj:ds.tickets --output_table proj:ds.labeled \\
         --runner=DataflowRunner --project proj --region europe-west1 --temp_location gs://b/tmp \\
         --setup_file ./setup.py --model gs://b/models/qwen2.5-0.5b-instruct
 

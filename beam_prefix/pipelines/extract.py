@@ -1,8 +1,8 @@
 """Extract typed fields from text rows in Parquet, JSONL, CSV or BigQuery; write extracted and failed rows.
 
-    python -m pipelines.extract --runner=DirectRunner        # the sample tickets, shipped ticket_fields task
-    python -m pipelines.extract --input 'data/*.parquet' --task my_fields.yaml --text_column body --id_column id
-    python -m pipelines.extract --input_table proj:ds.tickets --output_table proj:ds.fields \\
+    python -m beam_prefix.pipelines.extract --runner=DirectRunner        # the sample tickets, shipped ticket_fields task
+    python -m beam_prefix.pipelines.extract --input 'data/*.parquet' --task my_fields.yaml --text_column body --id_column id
+    python -m beam_prefix.pipelines.extract --input_table proj:ds.tickets --output_table proj:ds.fields \\
         --runner=DataflowRunner --project proj --region europe-west1 --temp_location gs://b/tmp \\
         --setup_file ./setup.py
 

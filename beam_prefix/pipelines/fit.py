@@ -1,8 +1,8 @@
 """Fit a trained head for a classification task from labelled rows.
 
-    python -m pipelines.fit --task pipelines/tasks/support_tickets.yaml \\
+    python -m beam_prefix.pipelines.fit --task support_tickets \\
         --input pipelines/data/sample_tickets.csv --label_column label --output support_tickets.head
-    python -m pipelines.fit --task banking77_head --input train.csv --label_column category \\
+    python -m beam_prefix.pipelines.fit --task banking77_head --input train.csv --label_column category \\
         --output banking77.head --runner=DataflowRunner ...   # features on any runner
 
 The rows are read with the same flags and IO layer as the other pipelines; each row's

@@ -1,6 +1,6 @@
 """Quick start: classify the shipped sample support tickets with the embedded model.
 
-    python -m pipelines.quickstart [--task PATH] [--model embedded] [--calibration]
+    python -m beam_prefix.pipelines.quickstart [--task PATH] [--model embedded] [--calibration]
 
 Prints each ticket's label, the accuracy against the sample's gold labels (with and
 without contextual calibration), and the per-text time of the prefix-cached path

@@ -1,8 +1,8 @@
 """Tune the model on labelled rows, then fit a head on the tuned model: one directory out.
 
-    python -m pipelines.tune --task banking77_fast_head --input pipelines/data/banking77/train.csv \\
+    python -m beam_prefix.pipelines.tune --task banking77_fast_head --input pipelines/data/banking77/train.csv \\
         --label_column category --output banking77_tuned/ --label_rows true
-    python -m pipelines.classify --model banking77_tuned/ --task banking77_tuned/banking77_fast_head.yaml ...
+    python -m beam_prefix.pipelines.classify --model banking77_tuned/ --task banking77_tuned/banking77_fast_head.yaml ...
 
 In this process (a CPU tunes thousands of short rows in minutes; no Beam pipeline): reads the
 local input files (CSV, JSON Lines, Parquet: `pipelines.local_rows`), holds out a stratified
