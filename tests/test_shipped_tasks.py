@@ -4,6 +4,7 @@ nothing under a generic top-level name such as ``pipelines``."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -107,3 +108,19 @@ def test_installed_package_claims_no_top_level_pipelines_and_finds_its_tasks(tmp
     assert spec == "None", "an installed beam-prefix must not provide a top-level `pipelines` package"
     assert all(p.startswith(str(target)) for p in paths), paths
     assert lines[1].split(maxsplit=2) == ["77", "extract", " ".join(shipped_tasks())]
+
+
+def test_the_library_never_imports_the_clis():
+    """beam_prefix.{model,tasks,engines,beam} and the top-level modules are the library; the CLIs
+    (beam_prefix.pipelines) compose it and are never imported by it, nor is a checkout's pipelines/."""
+    package = ROOT / "beam_prefix"
+    offenders = []
+    for path in package.rglob("*.py"):
+        if path.is_relative_to(package / "pipelines"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                          if n.split(".")[0] == "pipelines" or n.startswith("beam_prefix.pipelines")]
+    assert offenders == []
