@@ -230,6 +230,31 @@ def test_pipelines_tune_dtype_fits_the_heads_in_that_precision_and_the_head_answ
         PrefixClassifier(task=task, loaded=load_model(str(out)), verify=False)
 
 
+def test_pipelines_tune_self_checks_the_features_its_heads_read_not_lm_label_scores(tiny_dir, tmp_path, monkeypatch):
+    """Nothing tune writes answers with LM label scores, whose full re-encoding per label took
+    minutes on Banking77's 77 labels: the base and the tuned model are checked on the
+    features at the heads' layers (cached == full re-encoding), and a head as it answers."""
+    from beam_prefix.engines.classifier import PrefixClassifier as Engine
+    from beam_prefix.pipelines import tune
+
+    real_verify, real_features, checked = Engine.verify, Engine.verify_features, []
+
+    def verify(self, *args, **kwargs):
+        assert self.mode == "head", f"LM label scores self-checked ({self.mode})"
+        return real_verify(self, *args, **kwargs)
+
+    def verify_features(self, texts=(), layers=(-1,), **kwargs):
+        checked.append((tuple(layers), kwargs.get("pooling")))
+        return real_features(self, texts, layers, **kwargs)
+
+    monkeypatch.setattr(Engine, "verify", verify)
+    monkeypatch.setattr(Engine, "verify_features", verify_features)
+    assert tune.main(["--task=support_tickets", f"--input={SAMPLE}", "--label_column=label",
+                      f"--output={tmp_path}/tuned", f"--model={tiny_dir}", "--layers=1", "--pooling=mean",
+                      "--epochs=1", "--folds=2"]) == 0
+    assert checked == [((1,), "mean"), ((1,), "mean")]  # the base model, then the tuned one
+
+
 def test_pipelines_tune_in_half_precision_writes_nothing_when_the_written_heads_self_check_fails(
         tiny_dir, tmp_path, capsys, monkeypatch):
     """The written head is checked as classify will run it (its dtype, cached == full): a

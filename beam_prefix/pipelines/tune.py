@@ -241,12 +241,14 @@ def _tune(args, task_file: str, task_data, task, layers, pooling: str, texts: li
                      "tuning_rows": len(train), "layers": list(layers), "pooling": pooling, "label_rows": label_rows,
                      "dtype": args.dtype}
     start = time.perf_counter()
-    # in half precision the self-check of LM label scores (what a task without a head answers
-    # with) may refuse a model whose hidden states, what the heads read, are fine: the heads
-    # are checked as they will answer instead (below)
+    # the self-check compares what the heads read (the features at their layers, cached ==
+    # full re-encoding), not LM label scores, which nothing here answers with and whose check
+    # re-encodes each probe once per label (31 s against 3.7 s on Banking77's 77 labels, 2
+    # cores). In half precision the heads are checked as they will answer instead (below)
     half = args.dtype != "float32"
+    features = dict(check_layers=layers, check_pooling=pooling)
     base_loaded = load_model(args.model, dtype=args.dtype)
-    base = PrefixClassifier(task=task.replace(calibration=False), loaded=base_loaded, verify=not half)
+    base = PrefixClassifier(task=task.replace(calibration=False), loaded=base_loaded, verify=not half, **features)
     before = fit_head(base, train_texts, train_labels, **fit)
     alpha = before.lexical.alpha if before.lexical is not None else 0.0
     summary["base_head"] = _facts(before)
@@ -272,9 +274,9 @@ def _tune(args, task_file: str, task_data, task, layers, pooling: str, texts: li
                                 labels_per_batch=args.labels_per_batch, log=_LOGGER.info, progress=progress)
         finally:
             progress.close()
-        # the tuned model's self-check in float32: cached == full re-encoding
+        # the tuned model's self-check in float32: its features cached == full re-encoding
         loaded = load_model(staging)
-        tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=loaded)
+        tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=loaded, **features)
         if half:
             loaded = load_model(staging, dtype=args.dtype)
             tuned = PrefixClassifier(task=task.replace(calibration=False), loaded=loaded, verify=False)
