@@ -124,3 +124,19 @@ def test_the_library_never_imports_the_clis():
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
                           if n.split(".")[0] == "pipelines" or n.startswith("beam_prefix.pipelines")]
     assert offenders == []
+
+
+def test_every_logger_of_the_clis_is_under_beam_prefix_whose_level_they_set():
+    """The CLIs show their progress by setting the ``beam_prefix`` logger to INFO; a logger
+    named outside it (as "pipelines" was before the move) would fall silent."""
+    import importlib
+    import logging
+    import pkgutil
+
+    import beam_prefix.pipelines as clis
+
+    for module in pkgutil.iter_modules(clis.__path__):
+        importlib.import_module(f"{clis.__name__}.{module.name}")
+    names = list(logging.root.manager.loggerDict)
+    assert "beam_prefix.pipelines" in names  # (launch's own)
+    assert [n for n in names if n.split(".")[0] == "pipelines"] == []

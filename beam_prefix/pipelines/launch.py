@@ -39,7 +39,7 @@ from beam_prefix.pipelines.worker_watch import WorkerWatch
 __all__ = ["Plan", "build", "read_run_write", "run", "main", "invoked_as", "in_process_main", "explain", "RunFailed",
            "run_to_end", "exit_process"]
 
-_LOGGER = logging.getLogger("pipelines")
+_LOGGER = logging.getLogger("beam_prefix.pipelines")
 
 # compose(p, options, main_to, failed_to, staging, summary_path) -> Plan
 Compose = Callable[..., "Plan"]
