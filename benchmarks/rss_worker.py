@@ -16,7 +16,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from beam_prefix.beam.classify_transform import ClassifyText
-from beam_prefix.pipelines.options import SAMPLE_TICKETS, task_path
+from beam_prefix.pipelines.options import SAMPLE_TICKETS
 
 
 def _peak_rss_mb() -> float:
@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
     options = PipelineOptions(["--direct_running_mode=multi_threading", f"--direct_num_workers={args.threads}"])
     with beam.Pipeline(options=options) as p:
         _ = (p | beam.Create(rows) | beam.Reshuffle()
-             | ClassifyText(task=task_path("support_tickets"), model=args.model, max_batch_size=16,
+             | ClassifyText(task="support_tickets", model=args.model, max_batch_size=16,
                             threads=1, verify=False)).labeled | beam.combiners.Count.Globally()
     result = {"threads": args.threads, "rows": args.rows, "max_rss_mb": _peak_rss_mb()}
     print(json.dumps(result))

@@ -14,13 +14,13 @@ from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.beam.classify_dofn import prob_column
 from beam_prefix.model.loading import load_model
 from beam_prefix.pipelines import bigquery_endpoint, classify
-from beam_prefix.pipelines.options import ClassifyOptions, task_path
+from beam_prefix.pipelines.options import ClassifyOptions
 from beam_prefix.pipelines.sinks import bigquery_write_args
 
 from bq_emulator import PROJECT, Emulator, executable
 from conftest import TEXTS
 
-SUPPORT = TaskSpec.from_yaml(task_path("support_tickets"))
+SUPPORT = TaskSpec.from_yaml("support_tickets")
 ROWS = ([{"ticket_id": f"T{i}", "text": t, "channel": i % 4} for i, t in enumerate(TEXTS[:8])]
         + [{"ticket_id": "B-null", "text": None, "channel": 1}, {"ticket_id": "B-empty", "text": "", "channel": 2}])
 

@@ -173,12 +173,12 @@ def test_tune_model_refuses_a_directory_with_files_and_labels_the_task_lacks(tin
 def test_pipelines_tune_writes_model_head_and_task_that_classify_together(tiny_dir, tmp_path, capsys, monkeypatch):
     from beam_prefix.engines import model_tuning
     from beam_prefix.pipelines import tune
-    from beam_prefix.pipelines.options import task_path
+    from beam_prefix.tasks.shipped import resolve_task
 
     # the task file is read once, at launch: an edit while the model tunes does not reach the
     # task file written beside the tuned model (which would then disagree with its head)
     task_file = tmp_path / "tickets.yaml"
-    task_file.write_text(open(task_path("support_tickets"), encoding="utf-8").read(), encoding="utf-8")
+    task_file.write_text(open(resolve_task("support_tickets"), encoding="utf-8").read(), encoding="utf-8")
     launched = TaskSpec.from_yaml(task_file)
     real = model_tuning.tune_model
 

@@ -17,12 +17,12 @@ from beam_prefix import PrefixClassifier, TaskSpec
 from beam_prefix.beam.classify_dofn import prob_column
 from beam_prefix.model.loading import load_model
 from beam_prefix.pipelines import classify
-from beam_prefix.pipelines.options import SAMPLE_TICKETS, task_path
+from beam_prefix.pipelines.options import SAMPLE_TICKETS
 from beam_prefix.pipelines.sinks import ToOutputRow
 
 from conftest import TEXTS
 
-SUPPORT = TaskSpec.from_yaml(task_path("support_tickets"))
+SUPPORT = TaskSpec.from_yaml("support_tickets")
 LONG_TEXT = ("The export page hangs. " * 900)[:20_000]
 
 

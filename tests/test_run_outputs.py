@@ -22,7 +22,7 @@ from beam_prefix import PrefixClassifier, TaskSpec, fit_head
 from beam_prefix.errors import ModelLoadError, TaskSpecError
 from beam_prefix.tasks.trained_head import TrainedHead
 from beam_prefix.pipelines import classify, fit, tune
-from beam_prefix.pipelines.options import task_path
+from beam_prefix.tasks.shipped import resolve_task
 
 from conftest import ROOT, SUPPORT_TASK, TEXTS, tiny_task
 
@@ -64,7 +64,7 @@ def _tune_args(tiny_dir, tmp_path, *more):
 
 @pytest.mark.parametrize("name", ["/abs/dir/x", "../../x", "a/b", "..", ".hidden", "x" * 101, "ok name"])
 def test_tune_refuses_a_task_name_that_is_not_a_file_name(name, tiny_dir, tmp_path, no_model, capsys):
-    data = yaml.safe_load(open(task_path("support_tickets"), encoding="utf-8")) | {"name": name}
+    data = yaml.safe_load(open(resolve_task("support_tickets"), encoding="utf-8")) | {"name": name}
     task = tmp_path / "t.yaml"
     task.write_text(yaml.safe_dump(data))
     err = _exit_2(tune.main, [f"--task={task}", *_tune_args(tiny_dir, tmp_path, f"--output={tmp_path}/out")[1:]],

@@ -28,7 +28,7 @@ from beam_prefix.tasks.extract_task import ExtractionSpec, load_task
 from beam_prefix.beam.extract_transform import ExtractConfig, ExtractFields
 from beam_prefix.pipelines import launch
 from beam_prefix.pipelines.launch import Plan, RunFailed, explain
-from beam_prefix.pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, StepOptions, task_path
+from beam_prefix.pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, StepOptions
 from beam_prefix.pipelines.publish import Staging
 from beam_prefix.pipelines.sinks import Destination, kept_columns
 from beam_prefix.pipelines.sources import describe_input, input_schema
@@ -76,7 +76,7 @@ def _flags(options_class) -> list[str]:
 def extraction_task(options: PipelineOptions) -> ExtractionSpec:
     """The task `--task` names (default: the shipped ticket_fields), which must be an extraction task."""
     o = options.view_as(StepOptions)
-    task = load_task(task_path(o.task or DEFAULT_TASKS["extract"]))
+    task = load_task(o.task or DEFAULT_TASKS["extract"])
     if not isinstance(task, ExtractionSpec):
         raise ValueError(f"--task={o.task!r} is a classification task; pipelines.extract needs a task with "
                          f"kind: extract (run pipelines.classify for this one)")

@@ -36,6 +36,7 @@ from beam_prefix.beam.embed_transform import FEATURES_COLUMN, EmbedText
 from beam_prefix.engines import feature_search
 from beam_prefix.engines.head_fitting import check_labels, fit_head_from_features as fit_head, task_label_rows
 from beam_prefix.model.loading import EMBEDDED, precision_of
+from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 from beam_prefix.pipelines import bigquery_endpoint, fit_search
 from beam_prefix.pipelines.fit_io import FeatureStaging, write_head
@@ -43,7 +44,7 @@ from beam_prefix.pipelines.launch import exit_process, in_process_main, invoked_
 from beam_prefix.pipelines.local_rows import local_columns, local_paths
 from beam_prefix.pipelines.summary import write_json
 from beam_prefix.pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_local_paths, refuse_unknown_flags,
-                               task_path, task_without_head)
+                               task_without_head)
 from beam_prefix.pipelines.publish import Output
 from beam_prefix.pipelines.launch_checks import (hold_outputs, refuse_collisions, refuse_overlap, refuse_unreachable, remote_paths,
                                      run_reads)
@@ -142,7 +143,7 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     search = f.layers is None and f.pooling is None
     o.dtype = o.dtype or "float32"  # (a fit makes the head: no head's precision to follow)
     layers = None if search else parse_layers(f.layers or "-1")
-    task_file = task_path(o.task or "support_tickets")
+    task_file = resolve_task(o.task or "support_tickets")
     # the head this run writes may replace the one the task names (not read here), never
     # the input, the task file or the model
     outputs = [Output("--output", o.output)] + ([Output("--summary_output", o.summary_output)]

@@ -42,8 +42,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from beam_prefix.model.loading import EMBEDDED, embedded_cache_directory
 from beam_prefix.model.tuning_record import TUNING_FILE
+from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.task_file import read_task_file
-from beam_prefix.pipelines.options import DEFAULT_TASKS, SAMPLE_TICKETS, ClassifyOptions, StepOptions, task_path
+from beam_prefix.pipelines.options import DEFAULT_TASKS, SAMPLE_TICKETS, ClassifyOptions, StepOptions
 from beam_prefix.pipelines.output_lock import locked
 from beam_prefix.pipelines.paths import is_local, join, matches, split
 from beam_prefix.pipelines.publish import Output, OutputLocationError, Staging
@@ -184,7 +185,7 @@ def run_reads(options: PipelineOptions, kind: str, *, task_file: str | None = No
         tasks = task_reads(None, task_dir=c.task_dir)
         task_files = [f for pattern in TASK_PATTERNS for f in files_of(os.path.join(c.task_dir, pattern))]
     else:
-        task_file = task_file or task_path(o.task or DEFAULT_TASKS.get(kind, DEFAULT_TASKS["classify"]))
+        task_file = task_file or resolve_task(o.task or DEFAULT_TASKS.get(kind, DEFAULT_TASKS["classify"]))
         tasks, task_files = task_reads(task_file, with_head=with_head), [task_file]
     return reads + tasks + [r for m in _models(options, task_files) for r in model_reads(m)]
 

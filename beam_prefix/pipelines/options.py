@@ -20,12 +20,12 @@ from apache_beam.options import pipeline_options as beam_options
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions
 
 from beam_prefix.model.loading import EMBEDDED, check_device
-from beam_prefix.tasks.shipped import resolve_task, shipped_data_path
+from beam_prefix.tasks.shipped import shipped_data_path
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.task_file import read_task_file
 from beam_prefix.beam.classify_transform import ClassifyText
 
-__all__ = ["StepOptions", "ClassifyOptions", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "refuse_local_paths", "task_path", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
+__all__ = ["StepOptions", "ClassifyOptions", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "refuse_local_paths", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
 
 SAMPLE_TICKETS = shipped_data_path("sample_tickets.parquet")
@@ -163,12 +163,6 @@ class ClassifyOptions(PipelineOptions):
                                 "labels, else false).")
 
 
-def task_path(task: str) -> str:
-    """A task flag as a file path: a shipped task's name, or a path as given (the library's
-    one rule, `shipped.resolve_task`)."""
-    return resolve_task(task)
-
-
 def validate(options: PipelineOptions) -> None:
     """Fail early on flag combinations that cannot work, naming the flag."""
     o, c = options.view_as(StepOptions), options.view_as(ClassifyOptions)
@@ -239,7 +233,7 @@ def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyT
     `keep_columns`: the input columns its labelled rows carry (default: all)."""
     o, c = options.view_as(StepOptions), options.view_as(ClassifyOptions)
     tasks = dict(tasks=c.task_dir, task_column=c.task_column, max_prefix_cache_mb=c.max_prefix_cache_mb) \
-        if c.task_dir else dict(task=TaskSpec.from_yaml(task_path(o.task or DEFAULT_TASK)))
+        if c.task_dir else dict(task=TaskSpec.from_yaml(o.task or DEFAULT_TASK))
     calibration = None if c.calibration is None else c.calibration == "true"
     return ClassifyText(**tasks, model=o.model, text_column=o.text_column, id_column=o.id_column,
                         dtype=o.dtype, threads=o.torch_threads, min_batch_size=o.min_batch_size,

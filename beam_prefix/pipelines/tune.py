@@ -52,13 +52,14 @@ from typing import Any
 import yaml
 
 from beam_prefix.model.tuning_record import LABELS_PER_BATCH
+from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.task_file import file_name_of, read_task_file
 from beam_prefix.pipelines.launch import exit_process, in_process_main, invoked_as
 from beam_prefix.pipelines.launch_checks import Read, hold_outputs, model_reads, refuse_inside, refuse_overlap, task_reads
 from beam_prefix.pipelines.progress import TuningProgress
 from beam_prefix.pipelines.publish import Output
 from beam_prefix.pipelines.local_rows import local_columns, local_paths
-from beam_prefix.pipelines.options import INPUT_FORMATS, join_negative_lists, parse_layers, task_path, task_without_head
+from beam_prefix.pipelines.options import INPUT_FORMATS, join_negative_lists, parse_layers, task_without_head
 from beam_prefix.pipelines.sources import format_of
 from beam_prefix.pipelines.summary import write_json
 
@@ -178,7 +179,7 @@ def run(argv: list[str] | None = None) -> dict:
     if not 0 <= args.holdout < 1:
         raise ValueError(f"--holdout must be in [0, 1), got {args.holdout}")
     check_device("cpu", args.dtype)  # load_model's default device, where this tunes and fits
-    task_file = task_path(args.task or "support_tickets")
+    task_file = resolve_task(args.task or "support_tickets")
     # read once: the task, its head's layers and the task file written beside the tuned model
     # (minutes later) all come from the same document
     task_data = read_task_file(task_file)
