@@ -123,7 +123,8 @@ def test_dtype_searches_in_that_precision_and_the_head_carries_it_to_classify(ti
 
 def test_a_head_without_a_recorded_dtype_runs_in_float32(tiny_dir, tmp_path):
     """Heads written before heads recorded their precision (the fields absent) keep
-    today's default, float32, and any dtype may be named (the fingerprint still checks)."""
+    today's default, float32, and are checked as float32 (#61.16): another dtype is refused
+    where the step is built, naming both."""
     from beam_prefix.transforms import ClassifyText
     from beam_prefix import fit_head
     from beam_prefix.model import load_model
@@ -136,7 +137,9 @@ def test_a_head_without_a_recorded_dtype_runs_in_float32(tiny_dir, tmp_path):
     head.dtype = None
     head.save(tmp_path / "old.head")
     old = TrainedHead.load(tmp_path / "old.head")
-    assert old.dtype is None and dtype_for([old], None) == "float32" and dtype_for([old], "bfloat16") == "bfloat16"
+    assert old.dtype is None and dtype_for([old], None) == "float32" and dtype_for([old], "float32") == "float32"
+    with pytest.raises(ValueError, match=r"dtype='bfloat16', but head .* was fit in float32 \(it records no precision"):
+        dtype_for([old], "bfloat16")
     task = clf.task.replace(scoring="head", head=old, model=tiny_dir)
     assert ClassifyText(task=task).config.dtype == "float32"
     with pytest.raises(ValueError, match="different dtypes"):

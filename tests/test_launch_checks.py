@@ -20,7 +20,7 @@ from beam_prefix.tasks.trained_head import TrainedHead, text_hash
 from beam_prefix.pipelines import classify, fit, launch
 from beam_prefix.pipelines.options import join_negative_lists
 
-from conftest import SUPPORT_TASK, TEXTS, tiny_task
+from conftest import ROOT, SUPPORT_TASK, TEXTS, tiny_task
 
 SAMPLE = os.path.join(os.path.dirname(SUPPORT_TASK), "..", "data", "sample_tickets.csv")
 
@@ -44,8 +44,39 @@ def _exit_2(main, argv, capsys) -> str:
 def test_a_float32_head_with_bfloat16_is_refused_at_launch(tmp_path, no_model, capsys):
     err = _exit_2(classify.main, ["--task=support_tickets_head", f"--input={SAMPLE}", "--dtype=bfloat16",
                                   f"--output={tmp_path}/o/out"], capsys)
-    assert "support_tickets.head" in err and "was fit on features" in err and "bfloat16" in err
+    # the two precisions named (#61.16), not a features-hash mismatch
+    assert "support_tickets.head" in err and "dtype='bfloat16'" in err and "was fit in float32" in err
     assert not os.path.exists(tmp_path / "o") or os.listdir(tmp_path / "o") == []  # nothing written
+
+
+def test_every_shipped_head_records_its_precision_and_one_without_is_float32(tmp_path):
+    """#61.16: ClassifyText(..., dtype='bfloat16') on a float32 head is a ValueError where the
+    pipeline is built, naming both precisions; a head that records none is checked as float32."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from beam_prefix.beam.classify_transform import ClassifyText
+    from beam_prefix.tasks.trained_head import HEAD_METADATA_KEY
+
+    for head in sorted((ROOT / "beam_prefix" / "shipped" / "tasks").glob("*.head")):
+        with safe_open(str(head), "pt") as f:
+            assert json.loads(f.metadata()[HEAD_METADATA_KEY]).get("dtype") in ("float32", "bfloat16"), head.name
+    with pytest.raises(ValueError, match=r"dtype='bfloat16', but head .*support_tickets.head was fit in float32"):
+        ClassifyText("support_tickets_head", dtype="bfloat16")
+    shipped = ROOT / "beam_prefix" / "shipped" / "tasks"
+    with safe_open(str(shipped / "support_tickets.head"), "pt") as f:  # a head written before heads recorded it
+        meta, tensors = json.loads(f.metadata()[HEAD_METADATA_KEY]), {k: f.get_tensor(k) for k in f.keys()}
+    meta.pop("dtype")
+    save_file(tensors, str(tmp_path / "old.head"), metadata={HEAD_METADATA_KEY: json.dumps(meta)})
+    task = tmp_path / "old.yaml"
+    task.write_text(open(shipped / "support_tickets_head.yaml").read().replace("head: support_tickets.head",
+                                                                               "head: old.head"))
+    assert "head: old.head" in task.read_text()
+    with pytest.raises(ValueError, match=r"old.head was fit in float32 \(it records no precision"):
+        ClassifyText(str(task), dtype="bfloat16")
+    assert ClassifyText(str(task)).config.dtype == "float32"
 
 
 def test_fit_layers_the_model_lacks_are_refused_at_launch(tiny_dir, tmp_path, no_model, capsys):

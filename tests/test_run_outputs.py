@@ -7,6 +7,7 @@ heads outside their task file's directory. Each test names the issue's item."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -292,11 +293,32 @@ def test_a_tuned_directory_whose_weights_were_replaced_is_refused(tiny_dir, tmp_
                         output_dir=str(out), model=tiny_dir, layers=(1,), pooling="mean", epochs=1,
                         learning_rate=1e-2)
     assert record.weights_digest and read_record(str(out)) == record and model_id(str(out)) == record.id
+    assert record.files_digest  # #61.4: the configuration and tokenizer too
+    pristine = tmp_path / "pristine"
+    shutil.copytree(out, pristine)
     shutil.copy(os.path.join(tiny_dir, "model.safetensors"), out / "model.safetensors")  # the base weights
     with pytest.raises(ModelLoadError, match="weight files are not the ones"):
         model_id(str(out))
     with pytest.raises(ModelLoadError, match="weight files are not the ones"):
         load_model(str(out))
+    # #61.4: a changed config (rope_theta, rms_norm_eps) changed 3 of 5 labels under the same id
+    for name, change in [("config.json", lambda c: c | {"rope_theta": 1234.0, "rms_norm_eps": 0.01}),
+                         ("generation_config.json", lambda c: c | {"eos_token_id": 7}),
+                         ("tokenizer_config.json", lambda c: c | {"model_max_length": 77})]:
+        shutil.rmtree(out)
+        shutil.copytree(pristine, out)
+        assert model_id(str(out)) == record.id
+        config = json.loads((out / name).read_text())
+        (out / name).write_text(json.dumps(change(config)))
+        with pytest.raises(ModelLoadError, match="configuration or tokenizer files .* are not the ones"):
+            model_id(str(out))
+        with pytest.raises(ModelLoadError, match="configuration or tokenizer files"):
+            load_model(str(out))
+    shutil.rmtree(out)
+    shutil.copytree(pristine, out)
+    (out / "chat_template.jinja").write_text("{{ messages }}")  # a file added changes the prompt too
+    with pytest.raises(ModelLoadError, match="configuration or tokenizer files"):
+        model_id(str(out))
 
 
 # -- 7, 8: damaged head files --------------------------------------------------------------

@@ -126,3 +126,36 @@ def test_labels_stay_the_text_the_user_wrote(tmp_path):
     path.write_text("name: tf\nlabels:\n  - name: true\n    description: yes\n  - false\n")
     task = TaskSpec.from_yaml(path)
     assert task.label_names == ("true", "false") and task.labels[0].description == "yes"
+
+
+@pytest.mark.parametrize("labels, says", [
+    (["billing", "billing\u200b"], r"label 'billing\\u200b' holds the invisible or control character U\+200B "
+                                   r"\(ZERO WIDTH SPACE\)"),
+    (["\u202ebilling", "technical"], r"U\+202E \(RIGHT-TO-LEFT OVERRIDE\)"),
+    (["billing", "tech\u00adnical"], r"U\+00AD \(SOFT HYPHEN\)"),
+    (["billing", "\uff42\uff49\uff4c\uff4c\uff49\uff4e\uff47"], r"labels 'billing' and '.*' are the same text after "
+                                                                r"Unicode normalisation \(NFKC\)"),
+    (["caf\u00e9", "cafe\u0301"], r"are the same text after Unicode normalisation"),
+], ids=["zero-width", "rtl-override", "soft-hyphen", "full-width", "combining"])
+def test_labels_a_reader_cannot_tell_apart_are_refused_at_load(tmp_path, labels, says):
+    """#61.5: `billing` and `billing\\u200b` were both accepted; a filter on label == 'billing'
+    then found 0 rows. Refused at load, from a file and from the constructor, naming them."""
+    import yaml
+
+    task = tmp_path / "t.yaml"
+    task.write_text(yaml.safe_dump({"instructions": "Route it.", "labels": labels}, allow_unicode=True),
+                    encoding="utf-8")
+    with pytest.raises(TaskSpecError, match=says):
+        TaskSpec.from_yaml(task)
+    with pytest.raises(TaskSpecError, match=says):
+        TaskSpec(name="t", instructions="Route it.", labels=labels)
+
+
+def test_enum_values_a_reader_cannot_tell_apart_are_refused(tmp_path):
+    from beam_prefix import load_task
+
+    task = tmp_path / "fields.yaml"
+    task.write_text("kind: extract\ninstructions: Fill it.\nfields:\n  - {name: area, type: enum, values: [app, "
+                    "\"app\\u200b\"]}\n", encoding="utf-8")
+    with pytest.raises(TaskSpecError, match=r"enum value 'app\\u200b' holds the invisible or control character"):
+        load_task(task)

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from beam_prefix.errors import TaskSpecError
-from beam_prefix.model.tuning_record import LABELS_PER_BATCH, TUNING_FILE, TuningRecord, weights_digest
+from beam_prefix.model.tuning_record import LABELS_PER_BATCH, TUNING_FILE, TuningRecord, files_digest, weights_digest
 
 __all__ = ["tune_model", "check_settings", "contrastive_loss", "label_batches", "train_features", "tuned_modules"]
 
@@ -233,7 +233,7 @@ def _write(loaded, record: TuningRecord, output_dir: str) -> TuningRecord:
     try:
         loaded.model.save_pretrained(partial)
         loaded.tokenizer.save_pretrained(partial)
-        record = dataclasses.replace(record, weights_digest=weights_digest(partial))
+        record = dataclasses.replace(record, weights_digest=weights_digest(partial), files_digest=files_digest(partial))
         with open(os.path.join(partial, TUNING_FILE), "w", encoding="utf-8") as f:
             f.write(record.to_json())
         if os.path.isdir(output_dir):

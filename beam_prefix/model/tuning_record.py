@@ -2,11 +2,12 @@
 
 A model directory tuned by `beam_prefix.engines.model_tuning` holds, beside its weights and
 tokenizer, `TUNING_FILE`: the base model, the task and rows it was tuned on, the settings,
-the n-gram weight the base model's folds chose, and a digest of its weight files. Its `id`
-is the directory's model id (`loading.model_id`), so a head's fingerprint names the
-tuning, not the path, and covers the weights: `check_weights` (called wherever the id is
-read with the weights at hand) refuses a directory whose weight files are not the ones
-the record was written with. The digest is a full SHA-256 of every ``*.safetensors``
+the n-gram weight the base model's folds chose, and digests of its weight files and of
+every other file that changes the forward or the tokens (`FORWARD_FILES`: configuration,
+generation configuration, tokenizer). Its `id` is the directory's model id
+(`loading.model_id`), so a head's fingerprint names the tuning, not the path, and covers
+those files: `check_weights` (called wherever the id is read with the files at hand)
+refuses a directory whose files are not the ones the record was written with. The digest is a full SHA-256 of every ``*.safetensors``
 file (about 0.35 s for the embedded model's 540 MB), computed once per file version in a
 process (keyed by path, size and modification time).
 """
@@ -20,7 +21,8 @@ import json
 import os
 import threading
 
-__all__ = ["TUNING_FILE", "LABELS_PER_BATCH", "TuningRecord", "read_record", "weights_digest", "check_weights"]
+__all__ = ["TUNING_FILE", "LABELS_PER_BATCH", "FORWARD_FILES", "TuningRecord", "read_record", "weights_digest",
+           "files_digest", "check_weights"]
 
 TUNING_FILE = "beam_prefix_tuning.json"
 # labels in a tuning batch by default, and the value of every record written before the
@@ -47,6 +49,8 @@ class TuningRecord:
             (None: not measured).
         created: when (UTC, ISO 8601); it makes each tuning's id its own.
         weights_digest: `weights_digest` of the directory's weight files as written.
+        files_digest: `files_digest` of its other files that change the forward or the
+            tokens (configuration, generation configuration, tokenizer files) as written.
     """
 
     base_model: str
@@ -67,14 +71,16 @@ class TuningRecord:
     tune_s: float = 0.0
     labels_per_batch: int = LABELS_PER_BATCH
     weights_digest: str | None = None  # (None: a record written before digests, not checked)
+    files_digest: str | None = None  # `files_digest` (None: a record written before it, not checked)
 
     @property
     def id(self) -> str:
         """The model id of the tuned directory: the base model's and a digest of this record."""
         data = dataclasses.asdict(self)
         data.pop("tune_s")
-        if data["weights_digest"] is None:  # records from before the digest: their ids stay
-            data.pop("weights_digest")
+        for digest in ("weights_digest", "files_digest"):  # records from before each digest: their ids stay
+            if data[digest] is None:
+                data.pop(digest)
         if data["labels_per_batch"] == LABELS_PER_BATCH:  # the only value before the setting: those ids stay
             data.pop("labels_per_batch")
         digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()[:16]
@@ -130,15 +136,36 @@ def weights_digest(directory: str) -> str:
     return h.hexdigest()[:32]
 
 
+# the files of a model directory, beside its weights, that change what the model computes or
+# the tokens it reads (a loader reads them): `files_digest` covers every one present, by name
+FORWARD_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                 "vocab.*", "merges.txt", "*.model", "chat_template.*", "*.py", "preprocessor_config.json")
+
+
+def files_digest(directory: str) -> str:
+    """A digest of the `FORWARD_FILES` of a local model directory (names and contents): a
+    file added, removed or changed changes it."""
+    h = hashlib.sha256()
+    names = sorted({os.path.basename(p) for pattern in FORWARD_FILES
+                    for p in glob.glob(os.path.join(glob.escape(directory), pattern)) if os.path.isfile(p)})
+    for name in names:
+        h.update(f"{name}\0{_file_digest(os.path.join(directory, name))}\0".encode("utf-8"))
+    return h.hexdigest()[:32]
+
+
 def check_weights(directory: str, record: TuningRecord) -> None:
-    """Refuse a tuned directory whose weight files are not those its record was written with.
+    """Refuse a tuned directory whose weight files, configuration or tokenizer files are not
+    those its record was written with.
 
     Raises:
-        ValueError: naming the directory.
+        ValueError: naming the directory and which files changed.
     """
-    if record.weights_digest is None:
-        return
-    if weights_digest(directory) != record.weights_digest:
-        raise ValueError(f"{directory}: its weight files are not the ones its tuning record ({TUNING_FILE}) was "
-                         f"written with (replaced or changed since the tuning): its model id, and every head fit "
-                         f"on it, no longer describe it; tune again, or restore the weights")
+    changed = []
+    if record.weights_digest is not None and weights_digest(directory) != record.weights_digest:
+        changed.append("weight files")
+    if record.files_digest is not None and files_digest(directory) != record.files_digest:
+        changed.append(f"configuration or tokenizer files ({', '.join(FORWARD_FILES[:4])}, ...)")
+    if changed:
+        raise ValueError(f"{directory}: its {' and '.join(changed)} are not the ones its tuning record "
+                         f"({TUNING_FILE}) was written with (replaced or changed since the tuning): its model id, "
+                         f"and every head fit on it, no longer describe it; tune again, or restore them")

@@ -46,7 +46,7 @@ from typing import Any, Mapping
 from beam_prefix.errors import TaskSpecError
 from beam_prefix.tasks.task import PromptTask, TaskSpec, _as_sequence, _short, validate_common
 from beam_prefix.tasks.shipped import resolve_task
-from beam_prefix.tasks.task_file import read_task_file
+from beam_prefix.tasks.task_file import read_task_file, refuse_invisible, refuse_lookalikes
 
 __all__ = ["Field", "ExtractExample", "ExtractionSpec", "FIELD_TYPES", "load_task"]
 
@@ -98,6 +98,9 @@ class Field:
                 raise TaskSpecError(f"{where}: enum values must be non-empty one-line strings, got {_short(values)}")
             if len(set(values)) != len(values):
                 raise TaskSpecError(f"{where}: enum values repeat: {_short(values)}")
+            for v in values:
+                refuse_invisible(v, f"{where}: enum value")
+            refuse_lookalikes(values, f"{where}: enum values")
             object.__setattr__(self, "values", tuple(values))
         elif values:
             raise TaskSpecError(f"{where}: 'values' is only for type enum")

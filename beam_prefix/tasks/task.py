@@ -38,7 +38,8 @@ from typing import Any, Mapping, Sequence
 
 from beam_prefix.errors import TaskSpecError
 from beam_prefix.tasks.shipped import resolve_task
-from beam_prefix.tasks.task_file import MAX_TASK_FILE_BYTES, _cut, nesting_depth, read_task_file
+from beam_prefix.tasks.task_file import (MAX_TASK_FILE_BYTES, _cut, nesting_depth, read_task_file, refuse_invisible,
+                                        refuse_lookalikes)
 
 __all__ = ["Label", "Example", "TaskSpec", "PromptTask", "read_task_file", "validate_common", "suffix_parts", "nesting_depth", "DEFAULT_CALIBRATION_TEXTS", "MAX_TASK_FILE_BYTES"]
 
@@ -69,6 +70,7 @@ class Label:
             raise TaskSpecError(f"labels: label {_short(self.name)} has leading/trailing whitespace; remove it")
         if "\n" in self.name:
             raise TaskSpecError(f"labels: label {_short(self.name)} contains a newline")
+        refuse_invisible(self.name, "labels: label")
         if not isinstance(self.description, str):
             raise TaskSpecError(f"labels: description of {_short(self.name)} must be a string")
 
@@ -197,6 +199,7 @@ class TaskSpec(PromptTask):
             raise TaskSpecError("labels: a task needs at least two labels, got none")
         if len(self.labels) < 2:
             raise TaskSpecError(f"labels: a task needs at least two labels, got {self.label_names}")
+        refuse_lookalikes(self.label_names, "labels: labels")
         seen: set[str] = set()
         for name in self.label_names:
             if name in seen:

@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import re
+import unicodedata
 
 import yaml
 
 from beam_prefix.errors import TaskSpecError
 
-__all__ = ["read_task_file", "nesting_depth", "file_name_of", "MAX_TASK_FILE_BYTES", "MAX_TASK_DEPTH"]
+__all__ = ["read_task_file", "nesting_depth", "file_name_of", "refuse_invisible", "refuse_lookalikes",
+           "MAX_TASK_FILE_BYTES", "MAX_TASK_DEPTH"]
 
 MAX_TASK_FILE_BYTES = 4 * 1024 * 1024  # far above any prompt a small model's context holds
 MAX_TASK_DEPTH = 32  # a task file nests 4 levels (fields -> a field -> values -> a value); YAML allows thousands
@@ -138,3 +140,39 @@ class _TaskLoader(yaml.SafeLoader):
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+
+
+# characters a reader cannot see or that change how text around them shows: control and
+# format characters (zero-width spaces and joiners, U+202E right-to-left override, ...), line
+# and paragraph separators, surrogates and private-use code points
+_INVISIBLE = ("Cc", "Cf", "Cs", "Co", "Zl", "Zp")
+
+
+def refuse_invisible(name: str, what: str) -> None:
+    """Refuse a label or value `name` holding a character no reader sees as written (a
+    filter on ``label == 'billing'`` would miss ``billing\\u200b``).
+
+    Raises:
+        TaskSpecError: naming `what`, the name and the character's code point and name.
+    """
+    for ch in name:
+        if unicodedata.category(ch) in _INVISIBLE:
+            raise TaskSpecError(f"{what} {name!r} holds the invisible or control character U+{ord(ch):04X} "
+                                f"({unicodedata.name(ch, unicodedata.category(ch))}); write it with visible "
+                                f"characters only")
+
+
+def refuse_lookalikes(names, what: str) -> None:
+    """Refuse two names of `names` that are one after Unicode normalisation (NFKC: a
+    full-width ``ｂｉｌｌｉｎｇ`` is ``billing``), naming both.
+
+    Raises:
+        TaskSpecError: naming `what` and the two names.
+    """
+    seen: dict[str, str] = {}
+    for name in names:
+        key = unicodedata.normalize("NFKC", name)
+        if key in seen and seen[key] != name:
+            raise TaskSpecError(f"{what} {seen[key]!r} and {name!r} are the same text after Unicode normalisation "
+                                f"(NFKC): a reader cannot tell them apart; keep one")
+        seen.setdefault(key, name)

@@ -105,7 +105,9 @@ def dtype_for(heads, dtype: str | None) -> str:
     Raises:
         ValueError: naming the head, its dtype and the one given; or heads of two dtypes.
     """
-    recorded = {h.dtype: h for h in heads if h is not None and h.dtype is not None}
+    # a head that records no precision was fit in float32 (every head was, before heads recorded
+    # it): checked as float32, so a given bfloat16 is refused here, not by the workers' fingerprint
+    recorded = {h.dtype or "float32": h for h in heads if h is not None}
     if dtype is not None:  # its canonical name (``bf16`` is ``bfloat16``), as load_model reads it
         dtype = dtype_of(precision_of(dtype))
     if dtype is None:
@@ -116,7 +118,8 @@ def dtype_for(heads, dtype: str | None) -> str:
     other = [h for d, h in recorded.items() if d != dtype]
     if other:
         h = other[0]
-        raise ValueError(f"dtype={dtype!r}, but head {h.source or h.identity} was fit in {h.dtype}, and a head "
+        fit_in = h.dtype or "float32 (it records no precision: a head that does not was fit in float32)"
+        raise ValueError(f"dtype={dtype!r}, but head {h.source or h.identity} was fit in {fit_in}, and a head "
                          f"answers only in the precision it was fit in: leave dtype out (it follows the head), or "
                          f"fit a head in {dtype} (python -m beam_prefix.pipelines.fit --dtype {dtype})")
     return dtype
@@ -253,6 +256,7 @@ class TrainedHead:
         save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous(), "mean": self.mean.contiguous(),
                    "std": self.std.contiguous(), "train_hashes": hashes, **tensors}, os.fspath(path),
                   metadata={HEAD_METADATA_KEY: json.dumps(meta, sort_keys=True)})
+        os.chmod(path, 0o644)  # (safetensors writes 0600) a head is read by other users and workers: as fit's
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TrainedHead":
