@@ -241,6 +241,40 @@ def test_jsonl_column_flags_are_checked_against_the_first_lines(tmp_path, no_mod
         assert flag.split("=")[0] in err and "keys of the first 4 JSONL lines" in err
 
 
+def test_a_jsonl_line_longer_than_the_limit_is_refused_at_launch_in_bounded_time(tmp_path, no_model, capsys):
+    """#61.8: a 70 MB first line skipped the key check, then ran for 5 minutes at 1.7 GB."""
+    from beam_prefix.pipelines.sources import MAX_LINE_BYTES
+
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.write('{"text": "' + "x" * (MAX_LINE_BYTES + 10) + '"}\n')
+        f.write(json.dumps({"text": "app crashes"}) + "\n")
+    err = _launch_error(classify.main, [f"--input={tmp_path}/in.jsonl", f"--output={tmp_path}/o/l"], capsys)
+    assert f"in.jsonl line 1 is longer than {MAX_LINE_BYTES:,} bytes" in err
+
+
+def test_a_long_jsonl_line_past_the_sampled_ones_fails_alone_unparsed(tiny_dir, tmp_path, monkeypatch):
+    from beam_prefix.pipelines import sources
+
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 2000)  # (read by the in-process DirectRunner's DoFn)
+    monkeypatch.setattr(sources, "SAMPLED_LINES", 1)
+    lines = [json.dumps({"id": "T1", "text": "app crashes"}), json.dumps({"id": "L", "text": "y" * 5000}),
+             json.dumps({"id": "T2", "text": "refund please"})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    summary = classify.run(["--runner=DirectRunner", f"--input={tmp_path}/in.jsonl", f"--model={tiny_dir}",
+                            "--id_column=id", f"--output={tmp_path}/j/l", "--verify=false"])
+    failed = pq.read_table(glob.glob(f"{tmp_path}/j/failed-*.parquet")[0]).to_pylist()
+    assert [(r["reason"], r["stage"]) for r in failed] == [("too_long", "read")]
+    assert (summary["rows_read"], summary["labeled"], summary["failed"]) == (3, 2, 1)
+
+
+def test_every_csv_file_of_a_glob_is_checked_for_the_text_column_at_launch(tmp_path, no_model, capsys):
+    """#61.9: a second file without the text column passed launch and failed each row."""
+    (tmp_path / "a.csv").write_text("ticket_id,text\nT1,app crashes\n")
+    (tmp_path / "b.csv").write_text("ticket_id,body\nT2,refund please\n")
+    err = _launch_error(classify.main, [f"--input={tmp_path}/*.csv", f"--output={tmp_path}/o/l"], capsys)
+    assert "--text_column name columns the input lacks: ['text']" in err and f"the CSV header of {tmp_path}/b.csv" in err
+
+
 # -- 8. the read stage's failed rows, blank lines, empty files --------------------------------
 
 def test_read_failures_keep_their_id(tiny_dir, tmp_path):

@@ -67,3 +67,19 @@ def test_a_remote_error_is_named_and_an_answer_passes(monkeypatch):
         refuse_unreachable([("--output", "gs://b/o")], timeout=5)
     monkeypatch.setattr(FileSystems, "match", staticmethod(lambda patterns, *a, **k: []))
     refuse_unreachable([("--output", "gs://b/o"), ("--model", "gs://b/m")], timeout=5)  # answered: no refusal
+
+
+def test_a_remote_head_named_in_a_task_file_is_probed_at_launch(hanging, tmp_path, capsys):
+    """#61.7: a gs:// head inside a task file was not probed: 242 s, then a raw BeamIOError."""
+    from beam_prefix.tasks.shipped import resolve_task
+
+    task = tmp_path / "remote_head.yaml"
+    task.write_text(open(resolve_task("support_tickets_head"), encoding="utf-8").read()
+                    .replace("head: support_tickets.head", "head: gs://bucket/heads/support.head"), encoding="utf-8")
+    assert "gs://bucket/heads/support.head" in task.read_text()
+    start = time.monotonic()
+    code = classify.main(["--runner=DirectRunner", f"--input={SAMPLE}", f"--task={task}", f"--output={tmp_path}/o"])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - start < 20, err[-1000:]
+    assert f"the head of --task={task}=gs://bucket/heads/support.head: no answer from its file system" in err
+    assert not (tmp_path / "o").exists()

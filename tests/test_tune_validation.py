@@ -49,13 +49,14 @@ def _run(tiny_dir, tmp_path, *flags) -> tuple[dict, str]:
 
 def test_a_tuning_that_loses_on_the_held_out_rows_is_discarded_and_the_untuned_head_written(tiny_dir, tmp_path,
                                                                                              capsys):
-    """A destructive learning rate: the tuned head is less accurate on the 12 held-out
-    tickets than the untuned one, so the directory holds the untuned head (fit on all 60
-    rows, as pipelines.fit fits it) and a task file that names the base model."""
+    """A destructive learning rate: the tuned head is no more accurate on the 12 held-out
+    tickets than the untuned one (less, or tied: on this machine's CPU both scored 7 of 12),
+    so the directory holds the untuned head (fit on all 60 rows, as pipelines.fit fits it)
+    and a task file that names the base model."""
     s, out = _run(tiny_dir, tmp_path, "--layers=1", "--epochs=2", "--learning_rate=1.0")
     v = s["validation"]
     assert v["rows"] == 12 and s["tuning_rows"] == 48 and v["kept"] is False and s["kept"] is False
-    assert v["tuned_accuracy"] < v["untuned_accuracy"]
+    assert v["tuned_accuracy"] <= v["untuned_accuracy"]  # kept only when strictly better
     printed = capsys.readouterr().out
     assert "did not beat the untuned head" in printed and "discarded" in printed
     assert sorted(os.listdir(out)) == ["support_tickets.head", "support_tickets.yaml"]  # no model

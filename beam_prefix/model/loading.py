@@ -17,6 +17,7 @@ The model is put in eval mode with SDPA attention; `trust_remote_code` is off un
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -278,13 +279,29 @@ def _read_without_weights(auto, what: str, spec: str, trust_remote_code: bool):
         raise ModelLoadError(f"cannot load the {what} of {spec!r}: {e}") from e
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' "Loading weights" bars off while a model loads: on a worker, or a CLI's
+    console, they are lines of noise in the log (the load's time is logged once, after)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _from_directory(path: str, model_id: str, *, trust_remote_code: bool) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
+        with _no_progress_bars():
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
     except Exception as e:
         hint = "" if os.path.isdir(path) else (
             " (not a local directory: is the hub reachable, or pass a local/gs:// directory or "
@@ -298,9 +315,10 @@ def _from_gguf(path: str, model_id: str) -> LoadedModel:
 
     directory, name = os.path.split(os.path.abspath(path))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, gguf_file=name, attn_implementation="sdpa", dtype=torch.float32)
+        with _no_progress_bars():
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, gguf_file=name, attn_implementation="sdpa", dtype=torch.float32)
     except ImportError as e:
         raise ModelLoadError(f"loading {path!r} needs the gguf package: pip install gguf ({e})") from e
     except Exception as e:

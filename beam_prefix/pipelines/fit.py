@@ -77,10 +77,10 @@ class FitOptions(PipelineOptions):
                            help="pipelines.fit: the hidden states at each row's last position (last) or their mean "
                                 "over the row's own (suffix) positions (mean). Default: chosen by folds with the "
                                 "layers, unless --layers or --pooling is given (then last).")
-        group.add_argument("--prefer", default="balanced", choices=("accuracy", "balanced", "cost"),
+        group.add_argument("--prefer", default=None, choices=("accuracy", "balanced", "cost"),
                            help="pipelines.fit, features chosen by folds: the most accurate candidate (accuracy), "
                                 "or the cheapest per row within 0.5 (balanced, default) or 2 (cost) points of "
-                                "its fold accuracy.")
+                                "its fold accuracy. Refused with --layers or --pooling, which choose the features.")
         group.add_argument("--lexical", default="true", choices=("true", "false"),
                            help="pipelines.fit: also fit a regression on the rows' word and character n-grams and "
                                 "weigh it beside the hidden states by the same folds (true, default; the folds may "
@@ -141,6 +141,10 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     # no feature flag: the features are chosen by folds (pipelines.fit_search), in the
     # precision --dtype names (it changes each candidate's cost, not which are compared)
     search = f.layers is None and f.pooling is None
+    if f.prefer is not None and not search:
+        raise ValueError(f"--prefer {f.prefer} chooses among candidate features by folds, and --layers/--pooling "
+                         f"name the features: give one or the other")
+    f.prefer = f.prefer or "balanced"
     o.dtype = o.dtype or "float32"  # (a fit makes the head: no head's precision to follow)
     layers = None if search else parse_layers(f.layers or "-1")
     task_file = resolve_task(o.task or "support_tickets")

@@ -55,6 +55,10 @@ def fit_candidates(found: Sequence[Candidate], layers: Sequence[int], features: 
               "ms_per_row": round(costs[c], 3) if c in costs else None} for c in found]
     said = {"layers": list(chosen.layers), "pooling": chosen.pooling, "dtype": dtype, "prefer": prefer,
             "margin": PREFER_MARGINS[prefer]}
+    if all(heads[c].metrics.get("kfold_accuracy") is None for c in found):
+        said["note"] = (f"no folds ran ({heads[chosen].metrics.get('note') or 'too few rows per label'}), so no "
+                        f"candidate's accuracy was measured: the cheapest was kept, whatever --prefer says; "
+                        f"add rows, or choose with --layers and --pooling")
     head = heads[chosen]
     head.metrics["feature_search"] = {"candidates": table, "chosen": said}  # (the head file records it)
     return head, table, said
@@ -86,4 +90,6 @@ def format_table(table: list[dict], chosen: dict) -> str:
         hidden = "-" if row["fold_accuracy_hidden_states"] is None else f"{row['fold_accuracy_hidden_states']:.1%}"
         ms = "-" if row["ms_per_row"] is None else f"{row['ms_per_row']:.2f}"
         lines.append(f"{mark} {name:<21} {acc:>9}  {hidden:>11}  {row['lexical_alpha']:>7g}  {ms:>6}")
+    if chosen.get("note"):
+        lines.append(f"  {chosen['note']}")
     return "\n".join(lines)

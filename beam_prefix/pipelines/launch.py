@@ -14,9 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from typing import Callable
 
@@ -26,10 +24,11 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 from beam_prefix.beam.classify_dofn import FAILED_TAG
 from beam_prefix.errors import ModelLoadError
 from beam_prefix.pipelines import bigquery_endpoint
+from beam_prefix.pipelines.console import explain, exit_process, run_cli
 from beam_prefix.pipelines.options import ClassifyOptions, StepOptions, refuse_unknown_flags, validate
 from beam_prefix.pipelines.publish import Output, Staging
-from beam_prefix.pipelines.launch_checks import (hold_outputs, refuse_overlap, refuse_table_overlap, refuse_unreachable, remote_paths,
-                                     run_reads)
+from beam_prefix.pipelines.launch_checks import (hold_outputs, refuse_overlap, refuse_table_overlap, refuse_unreachable,
+                                                 remote_heads, remote_paths, run_reads)
 from beam_prefix.pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
 from beam_prefix.pipelines.sources import read_rows
 from beam_prefix.pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
@@ -114,8 +113,10 @@ def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, defau
     labeled_to, failed_to = destinations(options, default_output=default_output, failed_name=failed_name)
     staging, summary_path = _stage(options, labeled_to, failed_to, confusion=kind == "classify")
     refuse_unreachable(remote_paths(options, staging.outputs))  # in seconds, before any check reads them
+    reads = run_reads(options, kind)
+    refuse_unreachable(remote_heads(reads))  # the gs:// heads the task files name, as quickly
     staging.check()  # two outputs whose files collide would silently replace or mix rows
-    refuse_overlap(staging.outputs, run_reads(options, kind))  # nor may one replace what the run reads
+    refuse_overlap(staging.outputs, reads)  # nor may one replace what the run reads (or the package)
     refuse_table_overlap(options)
     hold_outputs(held, staging.outputs)  # nor may another run write them at the same time
     staging.remove_stale()  # what an earlier run into these outputs left when it was killed
@@ -244,42 +245,6 @@ def run_to_end(p: beam.Pipeline):
     return result
 
 
-# runner errors that have a known cause, and the one line that says it
-_KNOWN_CAUSES = (
-    ("PublishError", "publishing the outputs failed"),
-    ("Channel closed prematurely", "a worker process died (killed, or out of memory)"),
-    ("WorkerLost", "a worker process died (killed, out of memory, or its command could not start)"),
-    ("MemoryError", "a worker ran out of memory"),
-    ("ContextLengthError", "the task's prompt does not fit the model's context"),
-    ("VerificationError", "the start-up self-check found cached scoring different from full re-encoding"),
-    ("ModelLoadError", "the model could not be loaded"),
-    ("PermissionError", "an output location is not writable"),
-    ("No space left on device", "a disk is full"),
-)
-
-
-def explain(error: BaseException, outputs: dict[str, str] | None = None) -> str:
-    """One line for a run that failed: the cause where it is known, the error's first line,
-    and that nothing was published."""
-    text = f"{type(error).__name__}: {error}"
-    cause = next((why for pattern, why in _KNOWN_CAUSES if pattern in text), "the run failed")
-    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    final = getattr(error, "final", None)
-    if final:  # a publish that could not be undone: say exactly what is final
-        where = f"; these files are final: {', '.join(final)}"
-    else:
-        where = f"; nothing was written to {', '.join(outputs.values())}" if outputs else ""
-    return f"error: {cause} ({type(error).__name__}: {_cut(first, 400)}){where}"
-
-
-def _cut(text: str, limit: int) -> str:
-    """`text` at most `limit` characters, cut at a word boundary (never mid-word)."""
-    if len(text) <= limit:
-        return text
-    head = text[:limit].rsplit(" ", 1)[0].rstrip(",;:")
-    return f"{head} ..."
-
-
 def invoked_as(cli: str) -> str:
     """How this process ran the CLI ``cli`` (``classify``, ``fit``...), for its usage and error
     lines: ``python -m pipelines.classify`` from a checkout's runner, else the installed module
@@ -290,120 +255,31 @@ def invoked_as(cli: str) -> str:
 
 
 def main(argv: list[str] | None, run_fn, *, prog: str, doc: str, options=(StepOptions, ClassifyOptions)) -> int:
-    """Run `run_fn(argv, on_plan=...)` from the command line. Exit status: 0 done, 1 the run
-    failed or lost rows, 2 bad flags, input, task file or output location (found before the
-    model loads)."""
+    """Run `run_fn(argv, on_plan=...)` from the command line (`console.run_cli`). Exit status:
+    0 done, 1 the run failed or lost rows, 2 bad flags, input, task file or output location
+    (found before the model loads), 130 Ctrl-C, 143 SIGTERM."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:  # Beam's option parser would show none of ours
         _print_help(prog, doc, options)
         return 0
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("beam_prefix").setLevel(logging.INFO)  # progress lines, not Beam's own chatter
     plan: list[Plan] = []
-    stop = StopSignal()
-    try:
-        with stop_on_sigterm(stop):
-            summary = run_fn(argv, on_plan=plan.append)
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) or stop.received:  # (a runner may wrap it in its own error)
-            return _interrupted(stop.received, "nothing was published")
-        return _failed(e, plan)
-    return 0 if summary["accounted_for"] else 1
 
+    def report(summary: dict) -> int:
+        return 0 if summary["accounted_for"] else 1
 
-def _failed(e: BaseException, plan: list[Plan]) -> int:
-    """The one line and exit status of a run that raised (2: at launch, 1: while running)."""
-    if not isinstance(e, Exception):
-        raise e
-    if isinstance(e, (ValueError, OSError, ModelLoadError)):
-        if plan:  # found while running: a runner error, not a launch-time check
-            _LOGGER.error("the runner's error:\n%s", e)
-            print(explain(e, plan[0].outputs), file=sys.stderr, flush=True)
-            return 1
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    # any runner error ends in one line, the detail in the log
-    _LOGGER.error("the runner's error:\n%s", e)
-    print(explain(e, plan[0].outputs if plan else None), file=sys.stderr, flush=True)
-    return 1
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so that a run
-    stopped by `kill` or a scheduler unwinds the same way: staging discarded, locks released."""
-
-
-@dataclasses.dataclass
-class StopSignal:
-    """Whether SIGTERM arrived (a runner running a bundle in the main thread may report the
-    `Terminated` raised there as an error of its own)."""
-
-    received: bool = False
-
-
-@contextlib.contextmanager
-def stop_on_sigterm(stop: StopSignal):
-    """While the block runs, SIGTERM sets `stop.received` and raises `Terminated` in the main
-    thread (the previous handler is restored after; off the main thread, nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum, frame):
-        stop.received = True
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupted(terminated: bool, what: str) -> int:
-    """The one line and exit status of a run stopped by Ctrl-C (130) or SIGTERM (143)."""
-    print(f"error: {'terminated (SIGTERM)' if terminated else 'interrupted'}; {what}", file=sys.stderr, flush=True)
-    return 143 if terminated else 130
-
-
-def exit_process(status: int) -> None:
-    """End a pipeline's process with `status` (its ``__main__``).
-
-    A run that ended in an error (any status but 0) ends the process at once, without the
-    interpreter's finalization: its outputs were discarded and its locks released before
-    `main` returned, and finalization would only tear down library state while library
-    threads may still run (a runner thread still waiting for a lost worker,
-    `pipelines.worker_watch`, would keep the interpreter from exiting at all; a native
-    thread pool destroyed under a running thread aborts the process with "terminate called
-    without an active exception", exit 134, instead of the status the run chose)."""
-    if status == 0:
-        sys.exit(status)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(status)
+    return run_cli(lambda: run_fn(argv, on_plan=plan.append), cli=prog.rsplit(".", 1)[-1], started=lambda: bool(plan),
+                   nothing="nothing was published",
+                   outputs=lambda: plan[0].outputs if plan else None, report=report)
 
 
 def in_process_main(argv: list[str] | None, run_fn, report, *, logger: logging.Logger) -> int:
     """Run `run_fn(argv)` of a CLI whose work ends in this process (`pipelines.fit`,
-    `pipelines.tune`) and print `report(summary)`. Exit status: 0 done, 1 the run failed,
-    2 bad flags or input (a ValueError)."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("beam_prefix").setLevel(logging.INFO)
-    stop = StopSignal()
-    try:
-        with stop_on_sigterm(stop):
-            summary = run_fn(argv)
-    except KeyboardInterrupt:
-        return _interrupted(stop.received, "nothing was written")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:  # noqa: BLE001 - one line, the detail in the log
-        if stop.received:  # (raised inside a runner, which wrapped it in its own error)
-            return _interrupted(True, "nothing was written")
-        logger.error("the run's error:\n%s", e)
-        print(explain(e), file=sys.stderr, flush=True)
-        return 1
-    print(report(summary), flush=True)
-    return 0
+    `pipelines.tune`) and print `report(summary)` (`console.run_cli`). Exit status: 0 done,
+    1 the run failed, 2 bad flags, input or model (a ValueError or ModelLoadError, as the
+    other CLIs), 130 Ctrl-C, 143 SIGTERM."""
+    def done(summary) -> int:
+        print(report(summary), flush=True)
+        return 0
+
+    return run_cli(lambda: run_fn(argv), cli=logger.name.rsplit(".", 1)[-1], refused=(ValueError, ModelLoadError),
+                   report=done)

@@ -11,15 +11,19 @@ output is staged; each refusal is exit 2 with one line naming the flag(s):
   even before they exist (``config.json``, ``*.safetensors``, tokenizer files, a tuned
   directory's record, ...), a ``.gguf`` file, the embedded model's converted directory.
   An output "writes" a file when its path is that file or its reading pattern
-  (``PREFIX-*.parquet`` of a sharded output) matches it. Local paths are compared after
-  resolving symbolic links; ``gs://`` and other Beam file systems by their listed names.
+  (``PREFIX-*.parquet`` of a sharded output) matches it. Every path is compared as the
+  file it names (`paths.canonical`): local paths with the symbolic links of their existing
+  part resolved, ``gs://`` and other Beam file systems with their path part normalised.
 - `refuse_table_overlap`: no output table is the input table.
 - `refuse_collisions`: no two outputs write the same files (`publish.Staging.check`), and
   `refuse_inside`: no output file lies inside an output directory (`pipelines.tune`).
+- `refuse_package`: no output lies inside the installed ``beam_prefix`` package (its shipped
+  tasks, heads and data), compared as files; part of `refuse_overlap`.
 - `refuse_unreachable`: every remote path the run names (``gs://`` outputs, input, task,
-  model) answers within `REMOTE_TIMEOUT_S` (30 s; ``BEAM_PREFIX_REMOTE_TIMEOUT_S``), before
-  any other check reads it: an unreachable bucket is one line naming the flag, not minutes
-  of a client's retries and then its raw error.
+  model, and the heads its task files name: `remote_heads`) answers within
+  `REMOTE_TIMEOUT_S` (30 s; ``BEAM_PREFIX_REMOTE_TIMEOUT_S``), before any other check reads
+  it: an unreachable bucket is one line naming the flag, not minutes of a client's retries
+  and then its raw error.
 - `hold_outputs`: no other run is writing the same outputs (`pipelines.output_lock`; taken
   after these checks, held until the run ends).
 
@@ -46,13 +50,14 @@ from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.task_file import read_task_file
 from beam_prefix.pipelines.options import DEFAULT_TASKS, SAMPLE_TICKETS, ClassifyOptions, StepOptions
 from beam_prefix.pipelines.output_lock import locked
-from beam_prefix.pipelines.paths import is_local, join, matches, split
+from beam_prefix.pipelines.paths import canonical, inside, is_local, join, matches, split
 from beam_prefix.pipelines.publish import Output, OutputLocationError, Staging
 
 __all__ = ["Read", "input_reads", "task_reads", "model_reads", "run_reads", "refuse_overlap", "refuse_table_overlap",
-           "refuse_collisions", "refuse_inside", "hold_outputs", "files_of", "refuse_unreachable", "remote_paths",
-           "REMOTE_TIMEOUT_S"]
+           "refuse_collisions", "refuse_inside", "refuse_package", "package_directory", "hold_outputs", "files_of",
+           "refuse_unreachable", "remote_paths", "remote_heads", "REMOTE_TIMEOUT_S"]
 
+HEAD = "a trained head"  # the role of a head a task file names (`remote_heads`)
 TASK_PATTERNS = ("*.yaml", "*.yml")  # what --task_dir reads (beam_prefix.beam.routing.load_tasks)
 # what a model loader (transformers, and this package's tuning record) reads in a model
 # directory: refused as outputs there even before such a file exists
@@ -82,8 +87,7 @@ class Read:
     role: str = "a task file"
 
 
-def _norm(path: str) -> str:
-    return path if not is_local(path) else os.path.realpath(path)
+_norm = canonical  # every path is compared as the file it names, not as spelled
 
 
 def files_of(pattern: str) -> list[str]:
@@ -136,7 +140,7 @@ def task_reads(task_file: str | None, *, task_dir: str | None = None, with_head:
         reads.append(Read("--task", task_file))
         head = _head_of(task_file) if with_head else None
         if head:
-            reads.append(Read(f"the head of --task={task_file}", head))
+            reads.append(Read(f"the head of --task={task_file}", head, role=HEAD))
     if task_dir:
         task_dir = os.fspath(task_dir)
         for pattern in TASK_PATTERNS:
@@ -144,7 +148,7 @@ def task_reads(task_file: str | None, *, task_dir: str | None = None, with_head:
             for f in files_of(os.path.join(task_dir, pattern)):
                 head = _head_of(f)
                 if head:
-                    reads.append(Read(f"the head of task file {f}", head))
+                    reads.append(Read(f"the head of task file {f}", head, role=HEAD))
     return reads
 
 
@@ -212,6 +216,7 @@ def refuse_overlap(outputs: Sequence[Output], reads: Iterable[Read]) -> None:
                 raise OutputLocationError(
                     f"{output.flag}={output.path} would write {output.example()} into {directory}, which "
                     f"{read.flag} reads as {read.role} ({pattern}); write it elsewhere")
+    refuse_package(outputs)  # the shipped tasks and heads every run may read (after the reads: their message names more)
 
 
 def refuse_table_overlap(options: PipelineOptions) -> None:
@@ -230,15 +235,36 @@ def refuse_collisions(outputs: Sequence[Output]) -> None:
 
 
 def refuse_inside(output: Output, directory_flag: str, directory: str) -> None:
-    """Refuse `output` when it is, or lies inside, the output directory `directory`."""
-    if not is_local(output.path) or not is_local(directory):
-        inside = output.path.rstrip("/") == directory.rstrip("/") or output.path.startswith(directory.rstrip("/") + "/")
-    else:
-        root, path = os.path.abspath(directory), os.path.abspath(output.path)
-        inside = os.path.commonpath([root, path]) == root
-    if inside:
+    """Refuse `output` when it is, or lies inside, the output directory `directory`
+    (compared as files: `paths.inside`)."""
+    if inside(output.path, directory):
         raise OutputLocationError(f"{output.flag}={output.path} lies in {directory_flag}={directory}, which this run "
                                   f"writes as a whole; write it elsewhere")
+
+
+def package_directory() -> str:
+    """The installed ``beam_prefix`` package's folder (its shipped tasks, heads and data)."""
+    import beam_prefix
+
+    return canonical(os.path.dirname(beam_prefix.__file__))
+
+
+def refuse_package(outputs: Iterable[Output]) -> None:
+    """Refuse any output inside the ``beam_prefix`` package (compared as files: a checkout's
+    ``pipelines/tasks`` links there): a run that replaced a shipped task or head would change
+    what every later run of every user answers. A shipped head is refit into a new head and
+    task file elsewhere (docs/heads.md).
+
+    Raises:
+        OutputLocationError: naming the flag and the package folder.
+    """
+    package = package_directory()
+    for output in outputs:
+        if is_local(output.path) and inside(output.path, package):
+            raise OutputLocationError(
+                f"{output.flag}={output.path} lies inside the installed beam_prefix package ({package}); no run "
+                f"writes there (every later run would read it as shipped): write it elsewhere, e.g. a new head "
+                f"and a task file that names it")
 
 
 def hold_outputs(stack: contextlib.ExitStack, outputs: Iterable[Output]) -> None:
@@ -259,6 +285,12 @@ def remote_paths(options: PipelineOptions, outputs: Sequence[Output] = ()) -> li
     named = [(out.flag, out.path) for out in outputs]
     named += [(f"--{flag}", getattr(o, flag)) for flag in ("input", "task", "model")]
     return [(flag, path) for flag, path in named if path and not is_local(path)]
+
+
+def remote_heads(reads: Iterable[Read]) -> list[tuple[str, str]]:
+    """(flag, path) of every remote head the run's task files name (`refuse_unreachable`
+    probes them once the task files have been read)."""
+    return [(r.flag, r.pattern) for r in reads if r.role == HEAD and not is_local(r.pattern)]
 
 
 def refuse_unreachable(paths: Iterable[tuple[str, str]], timeout: float | None = None) -> None:

@@ -12,7 +12,8 @@ import uuid
 
 from apache_beam.io.filesystems import FileSystems
 
-__all__ = ["is_local", "split", "join", "matches", "entries", "regular_files", "new_run_tag", "RUN_TAG"]
+__all__ = ["is_local", "split", "join", "canonical", "inside", "matches", "entries", "regular_files", "new_run_tag",
+           "RUN_TAG"]
 
 # a staging folder's run part (publishing's and fit's): when, and a random tag
 RUN_TAG = r"\d{8}-\d{6}-[0-9a-f]{8}"
@@ -38,6 +39,28 @@ def split(path: str) -> tuple[str, str]:
 
 def join(directory: str, name: str) -> str:
     return os.path.join(directory, name) if is_local(directory) else posixpath.join(directory, name)
+
+
+def canonical(path: str) -> str:
+    """The one spelling of the file `path` names, for comparing paths as files: a local path
+    absolute with every symbolic link of its existing part resolved (``L/x`` and ``D/x`` are
+    one file when ``L`` links to ``D``); a URL (``gs://b//x/./y``) with its path part
+    normalised (``gs://b/x/y``), as object stores have no links."""
+    if is_local(path):
+        return os.path.realpath(path)
+    scheme, _, rest = path.partition("://")
+    bucket, _, key = rest.partition("/")
+    key = posixpath.normpath("/" + key).lstrip("/") if key.strip("/") else ""
+    return f"{scheme}://{bucket}/{key}" if key else f"{scheme}://{bucket}"
+
+
+def inside(path: str, directory: str) -> bool:
+    """`path` is `directory` or lies under it, compared as files (`canonical`)."""
+    path, directory = canonical(path), canonical(directory)
+    if is_local(path) != is_local(directory):
+        return False
+    sep = os.sep if is_local(path) else "/"
+    return path == directory or path.startswith(directory.rstrip(sep) + sep)
 
 
 def matches(pattern: str) -> list[str]:

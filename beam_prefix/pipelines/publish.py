@@ -38,7 +38,8 @@ import re
 
 from apache_beam.io.filesystems import FileSystems
 
-from beam_prefix.pipelines.paths import RUN_TAG, entries, is_local as _local, join as _join, new_run_tag, split as _split
+from beam_prefix.pipelines.paths import (RUN_TAG, canonical, entries, is_local as _local, join as _join, new_run_tag,
+                                        split as _split)
 
 __all__ = ["Output", "Staging", "OutputLocationError", "PublishError", "SHARD_TEMPLATE"]
 
@@ -67,9 +68,8 @@ class PublishError(OSError):
 
 
 def _same_dir(a: str, b: str) -> bool:
-    if _local(a) and _local(b):
-        return os.path.abspath(a) == os.path.abspath(b)
-    return a.rstrip("/") == b.rstrip("/")
+    """Two directories are one, compared as files (``L`` a link to ``D``: the same), not spellings."""
+    return canonical(a) == canonical(b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +124,16 @@ class Staging:
         run = new_run_tag()
         self.outputs = list(outputs)
         self._keep = False
-        self._dirs: dict[str, str] = {}  # final directory -> its staging directory
+        # final directory (`canonical`: two spellings of one folder share it) -> its staging directory
+        self._dirs: dict[str, str] = {}
         for output in self.outputs:  # (named after the directory's first output: `remove_stale`)
-            self._dirs.setdefault(output.directory, _join(output.directory, f"{STAGING_PREFIX}{output.name}-{run}"))
+            final_dir = canonical(output.directory)
+            self._dirs.setdefault(final_dir, _join(final_dir, f"{STAGING_PREFIX}{output.name}-{run}"))
 
     def path(self, final: str) -> str:
         """Where a file (or a sink's prefix) that belongs at `final` is written during the run."""
         final_dir, name = _split(final)
-        return _join(self._dirs[final_dir], name)  # KeyError: not a location given at construction
+        return _join(self._dirs[canonical(final_dir)], name)  # KeyError: not a location given at construction
 
     def check(self) -> None:
         """Refuse outputs that would collide, and a single file that names a directory.
@@ -141,7 +143,7 @@ class Staging:
         """
         for a, b in itertools.combinations(self.outputs, 2):
             if _same_dir(a.directory, b.directory) and (a.reads(b.example()) or b.reads(a.example())):
-                same = a.pattern == b.pattern
+                same = (a.name, a.suffix) == (b.name, b.suffix)  # (in one directory, as files)
                 raise OutputLocationError(
                     f"{a.flag}={a.path} and {b.flag}={b.path} "
                     + ("write the same files: one would replace the other" if same else
@@ -160,6 +162,8 @@ class Staging:
             names = [re.escape(o.name) for o in self.outputs if _same_dir(o.directory, final_dir)]
             stale = re.compile(re.escape(STAGING_PREFIX) + f"({'|'.join(names)})-{RUN_TAG}")
             for entry in entries(final_dir, STAGING_PREFIX + "*"):
+                if _local(entry) and os.path.islink(entry):
+                    continue  # a run made a directory, never a link: not one of ours, never followed
                 if entry != own and stale.fullmatch(_split(entry)[1]):
                     _LOGGER.info("removing %s, left by an earlier run into the same output that was killed", entry)
                     try:
@@ -179,7 +183,7 @@ class Staging:
             final_dir = output.directory
             if not _local(final_dir):
                 continue  # remote: checked by the runner (credentials live there)
-            staging = self._dirs[final_dir]
+            staging = self._dirs[canonical(final_dir)]
             probe = os.path.join(staging, ".probe")
             try:
                 os.makedirs(staging, exist_ok=True)
@@ -242,7 +246,7 @@ class Staging:
         for output in self.outputs:
             if output.suffix is None:
                 continue
-            for m in _list(output.directory, f"{output.name}-*{output.suffix}"):
+            for m in _list(canonical(output.directory), f"{output.name}-*{output.suffix}"):
                 name = _split(m)[1]
                 if output.shard(name) and m not in targets:
                     stale.append(m)

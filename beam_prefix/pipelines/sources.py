@@ -31,8 +31,8 @@ from beam_prefix.tasks.task_file import nesting_depth
 from beam_prefix.pipelines.options import SAMPLE_TICKETS, StepOptions
 from beam_prefix.pipelines.paths import regular_files
 
-__all__ = ["read_rows", "input_schema", "known_columns", "require_columns", "input_format", "describe_input",
-           "failed_record", "SAMPLED_LINES"]
+__all__ = ["read_rows", "input_schema", "known_columns", "require_columns", "csv_headers", "input_format",
+           "describe_input", "failed_record", "SAMPLED_LINES", "MAX_LINE_BYTES"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 # JSON values nested deeper than this fail their line: Beam pickles rows recursively and
 # overflows Python's stack a few hundred levels down, failing the whole run
 MAX_ROW_DEPTH = 64
+# the longest JSON Lines line a run reads (16 MiB, thousands of times any row a model's context
+# holds): longer ones are refused at launch among the sampled lines, failed unparsed after them
+MAX_LINE_BYTES = 16 << 20
 
 
 class _ParseJsonLines(beam.DoFn):
@@ -83,6 +86,10 @@ class _ParseJsonLines(beam.DoFn):
         self._id_column = id_column
 
     def process(self, raw: bytes):
+        if len(raw) > MAX_LINE_BYTES:  # (not parsed: a 70 MB line took minutes and gigabytes)
+            yield _failed({"line": raw[:1000].decode("utf-8", "backslashreplace")}, "too_long",
+                          f"a JSON line of {len(raw):,} bytes: at most {MAX_LINE_BYTES:,}")
+            return
         try:
             line = raw.decode("utf-8").removeprefix("\ufeff")
         except UnicodeDecodeError as e:
@@ -275,15 +282,21 @@ def known_columns(options: PipelineOptions, schema: pa.Schema | None) -> tuple[l
 
 def require_columns(options: PipelineOptions, schema: pa.Schema | None, wanted: dict[str, list[str]]) -> None:
     """Refuse, at launch, flags that name columns the input lacks (`wanted`: flag -> columns)."""
-    known, where = known_columns(options, schema)
-    if known is None:
-        return
-    missing = {flag: [c for c in columns if c and c not in known] for flag, columns in wanted.items()}
-    missing = {flag: columns for flag, columns in missing.items() if columns}
-    if missing:
-        flags = "/".join(missing)
-        columns = list(dict.fromkeys(c for cs in missing.values() for c in cs))
-        raise ValueError(f"{flags} name columns the input lacks: {columns} ({where}: {known[:30]})")
+    o = options.view_as(StepOptions)
+    if o.input and not (o.input_table or o.input_query) and input_format(options) == "csv":
+        # every matched file's header, not the first one's: a second file without the text
+        # column would fail each of its rows as missing_column
+        files = [(header, f"the CSV header of {path}") for path, header in csv_headers(o.input) if header]
+    else:
+        known, where = known_columns(options, schema)
+        files = [] if known is None else [(known, where)]
+    for known, where in files:
+        missing = {flag: [c for c in columns if c and c not in known] for flag, columns in wanted.items()}
+        missing = {flag: columns for flag, columns in missing.items() if columns}
+        if missing:
+            flags = "/".join(missing)
+            columns = list(dict.fromkeys(c for cs in missing.values() for c in cs))
+            raise ValueError(f"{flags} name columns the input lacks: {columns} ({where}: {known[:30]})")
 
 
 def _first_match(pattern: str) -> str:
@@ -304,7 +317,17 @@ def _matches(pattern: str) -> list[str]:
 def _csv_headers(pattern: str) -> list[str] | None:
     """The header of the first CSV file that has one, after checking that every matched
     file's header is UTF-8 and names each column once; None when every file is empty."""
-    first = None
+    return next((header for _, header in csv_headers(pattern) if header), None)
+
+
+def csv_headers(pattern: str) -> list[tuple[str, list[str]]]:
+    """(path, header) of every CSV file `pattern` matches (an empty file: an empty header),
+    each read within `MAX_HEADER_BYTES` and checked: UTF-8, each column named once.
+
+    Raises:
+        ValueError: naming the file whose header is refused.
+    """
+    found = []
     for path in _matches(pattern):
         with FileSystems.open(path) as f:
             header = _csv_header(f, path)
@@ -316,9 +339,8 @@ def _csv_headers(pattern: str) -> list[str] | None:
         if twice:  # a row's dict would keep only the last column of the name
             raise ValueError(f"--input: {path}: the CSV header names column(s) {_readable(twice)} more than once; "
                              f"give each column its own name")
-        if header and first is None:
-            first = header
-    return first
+        found.append((path, header))
+    return found
 
 
 # a CSV header is read at launch from at most this many bytes (a file with no line break,
@@ -344,14 +366,25 @@ MAX_SAMPLED_BYTES = 64 << 20  # what the JSONL key sample reads at most, all fil
 def _jsonl_keys(pattern: str, limit: int) -> tuple[list[str], int]:
     """Keys of the JSON objects in the first `limit` non-blank lines of the matched files, in
     first-seen order, and how many lines were read (lines that do not parse are skipped:
-    they fail as rows)."""
+    they fail as rows).
+
+    Raises:
+        ValueError: a sampled line longer than `MAX_LINE_BYTES` (naming the file and line):
+            no row is that long, and reading it would take the run minutes and gigabytes.
+    """
     keys: dict[str, None] = {}
     lines, budget = 0, MAX_SAMPLED_BYTES
     for path in _matches(pattern):
         with FileSystems.open(path) as f:
-            while raw := f.readline(budget):  # (bounded: a file with no line break is not read to its end)
+            number = 0
+            # (bounded: a file with no line break is not read to its end)
+            while raw := f.readline(min(budget, MAX_LINE_BYTES + 1)):
+                number += 1
+                if len(raw) > MAX_LINE_BYTES:
+                    raise ValueError(f"--input: {path} line {number} is longer than {MAX_LINE_BYTES:,} bytes, the "
+                                     f"most a JSON Lines row may hold; split or drop it")
                 budget -= len(raw)
-                if lines >= limit or budget <= 0:
+                if budget <= 0:
                     return list(keys), lines
                 if not raw.strip():
                     continue
@@ -359,9 +392,11 @@ def _jsonl_keys(pattern: str, limit: int) -> tuple[list[str], int]:
                 try:
                     row = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
                 except Exception:  # noqa: BLE001 - a bad line fails as a row at run time
-                    continue
+                    row = None
                 if isinstance(row, dict):
                     keys.update(dict.fromkeys(k for k in row if isinstance(k, str)))
+                if lines >= limit:
+                    return list(keys), lines
     return list(keys), lines
 
 

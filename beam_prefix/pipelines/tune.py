@@ -55,7 +55,8 @@ from beam_prefix.model.tuning_record import LABELS_PER_BATCH
 from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.task_file import file_name_of, read_task_file
 from beam_prefix.pipelines.launch import exit_process, in_process_main, invoked_as
-from beam_prefix.pipelines.launch_checks import Read, hold_outputs, model_reads, refuse_inside, refuse_overlap, task_reads
+from beam_prefix.pipelines.launch_checks import (Read, hold_outputs, model_reads, refuse_inside, refuse_overlap,
+                                                 refuse_package, task_reads)
 from beam_prefix.pipelines.progress import TuningProgress
 from beam_prefix.pipelines.publish import Output
 from beam_prefix.pipelines.local_rows import local_columns, local_paths
@@ -152,6 +153,7 @@ def _check_launch(args, task_file: str, task, layers: tuple[int, ...]) -> list[O
                          f"{layers[states.index(0)]}) is the token embeddings, which no decoder layer computes: "
                          f"nothing there to tune; read layers of 1 or more")
     outputs = [Output("--output", args.output)]
+    refuse_package(outputs)  # (the summary's place is checked with the reads below)
     if args.summary_output:
         summary = Output("--summary_output", args.summary_output)
         refuse_inside(summary, "--output", args.output)
@@ -170,6 +172,9 @@ def run(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(join_negative_lists(list(sys.argv[1:] if argv is None else argv), ("--layers",)))
     if "://" in args.output:
         raise ValueError(f"--output={args.output!r}: pipelines.tune writes a local directory")
+    if os.path.islink(args.output.rstrip("/") or "/"):  # it is replaced by the directory built beside it
+        raise ValueError(f"--output={args.output!r} is a symbolic link (to {os.readlink(args.output.rstrip('/'))!r}); "
+                         f"pipelines.tune writes a new directory in its place: give the directory's own path")
     # a new or empty --output: so it never writes over the model, the task or the input it reads
     check_settings(model=args.model, pooling=args.pooling or "mean", epochs=args.epochs,
                    learning_rate=args.learning_rate, temperature=args.temperature, output_dir=args.output,
@@ -190,6 +195,7 @@ def run(argv: list[str] | None = None) -> dict:
     outputs = _check_launch(args, task_file, task, layers)
     texts, labels = _rows(args)
     check_labels(task, labels)  # before any model work
+    check_holdout(labels, args.holdout, args.seed)
     with contextlib.ExitStack() as held:
         hold_outputs(held, outputs)  # a second tuning into the same directory is refused
         return _tune(args, task_file, task_data, task, layers, pooling, texts, labels)
@@ -213,6 +219,34 @@ def holdout_split(labels: list[str], fraction: float, seed: int) -> tuple[list[i
         held += rng.sample(rows, n)
     held_set = set(held)
     return [i for i in range(len(labels)) if i not in held_set], sorted(held)
+
+
+def _kept(n: int, fraction: float) -> int:
+    """Training rows `holdout_split` leaves a label of `n` rows."""
+    return n - (min(n - 1, max(1, round(fraction * n))) if fraction > 0 and n > 1 else 0)
+
+
+def check_holdout(labels: list[str], fraction: float, seed: int) -> None:
+    """Refuse, at launch, a hold-out that leaves no label two training rows (a contrastive
+    tuning needs a pair of one label's rows), saying how many rows a label needs at this
+    `fraction` and which labels have too few.
+
+    Raises:
+        ValueError: naming --holdout, the rows a label needs and the labels short of them.
+    """
+    counts = collections.Counter(labels)
+    train, _ = holdout_split(labels, fraction, seed)
+    if max(collections.Counter(labels[i] for i in train).values()) >= 2:
+        return
+    need = next((n for n in range(2, 100_000) if _kept(n, fraction) >= 2), None)
+    short = sorted((label for label in counts if _kept(counts[label], fraction) < 2), key=lambda x: (counts[x], x))
+    listed = ", ".join(f"{label} ({counts[label]})" for label in short[:10]) + (
+        f" and {len(short) - 10} more" if len(short) > 10 else "")
+    needs = (f"a label needs {need} rows or more to keep two for the tuning beside those held out" if need else
+             "no label keeps two rows at this share")
+    raise ValueError(f"--holdout {fraction:g} leaves no label two training rows, and a contrastive tuning needs a pair "
+                     f"of one label's rows: {needs}; labels with too few (rows): {listed}; add rows, or lower "
+                     f"--holdout (0 skips the held-out check)")
 
 
 def _accuracy(task, loaded, head, texts: list[str], labels: list[str]) -> float:
@@ -324,8 +358,14 @@ def _tune(args, task_file: str, task_data, task, layers, pooling: str, texts: li
 
 
 def _model_spec(model: str) -> str:
-    """`model` as a task file names it: a local directory or file by its absolute path (a task
-    file's model is read from wherever classify runs)."""
+    """`model` as a task file names it: the model the user gave, read the way `load_model`
+    reads it: ``embedded`` and URLs as given (never a folder of that name in the working
+    directory), a local directory or file by its absolute path (a task file's model is read
+    from wherever classify runs), anything else (a hub id) as given."""
+    from beam_prefix.model.loading import EMBEDDED
+
+    if model == EMBEDDED or "://" in model:
+        return model
     return os.path.abspath(model) if os.path.exists(model) else model
 
 
