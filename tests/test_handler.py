@@ -190,3 +190,19 @@ def test_unkeyed_without_exception_handling_a_bad_text_fails_the_run(tiny_dir):
         with TestPipeline() as p:
             _ = p | beam.Create(TEXTS[:3] + ["  "]) | RunInference(
                 PrefixCachedModelHandler(task=_task(), model=tiny_dir, verify=False))
+
+
+def test_batch_weight_is_refused_where_beam_cannot_batch_by_it():
+    from apache_beam.transforms.util import BatchElements
+    import inspect
+    if "max_batch_weight" in inspect.signature(BatchElements.__init__).parameters:
+        handler = PrefixCachedModelHandler(task=_task(), max_batch_weight=64, element_size_fn=len)
+        assert handler.batch_elements_kwargs()["max_batch_weight"] == 64
+    else:
+        with pytest.raises(TypeError, match="does not batch by weight"):
+            PrefixCachedModelHandler(task=_task(), max_batch_weight=64, element_size_fn=len)
+
+
+def test_an_unknown_handler_argument_is_refused():
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        PrefixCachedModelHandler(task=_task(), max_batch_sizes=4)

@@ -85,7 +85,9 @@ def test_installed_package_claims_no_top_level_pipelines_and_finds_its_tasks(tmp
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(source)], check=True, cwd=tmp_path)
     assert sorted(p.name for p in target.iterdir() if not p.name.endswith((".dist-info", ".egg-info"))) \
-        == ["beam_prefix"]
+        == ["beam_prefix", "bin"]
+    assert sorted(p.name for p in (target / "bin").iterdir()) == [f"beam-prefix-{cli}" for cli in
+                                                                 ("classify", "extract", "fit", "tune")]
     for shipped in ("tasks/banking77.head", "data/sample_tickets.parquet", "yaml/classify_tickets.yaml"):
         assert (target / "beam_prefix" / "shipped" / shipped).is_file()
     elsewhere = tmp_path / "elsewhere"

@@ -93,5 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     return launch.main(argv, run, prog=launch.invoked_as("classify"), doc=__doc__)
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``beam-prefix-classify`` console script: `main`, and the process ends with its status."""
     launch.exit_process(main())
+
+
+if __name__ == "__main__":
+    console_main()

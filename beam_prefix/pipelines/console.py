@@ -215,12 +215,43 @@ class _Detail(logging.Handler):
 _MARK = "_beam_prefix_cli"  # on the handlers `setup_logging` added (replaced by the next call)
 
 
+def _implicit(handler: logging.Handler) -> bool:
+    """The handler `logging.basicConfig` adds when a library logs through the root logger
+    before any set-up (Beam 2.70 does at import): a plain stderr stream with the default
+    format, not a host's choice."""
+    return (type(handler) is logging.StreamHandler and getattr(handler, "stream", None) is sys.stderr
+            and (handler.formatter is None or handler.formatter._fmt == logging.BASIC_FORMAT))
+
+
+class _Held(logging.Handler):
+    """Log records and warnings from before `setup_logging`: a CLI importing its libraries
+    (an older grpcio makes Google's clients warn at import, Beam logs a missing crcmod). They
+    wait here, then go through the console and detail handlers as one line each."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+_HELD = _Held()
+setattr(_HELD, _MARK, True)
+if not logging.getLogger().handlers:  # (a host that set up logging first keeps its own)
+    logging.getLogger().addHandler(_HELD)
+    logging.captureWarnings(True)
+    # local worker processes (DirectRunner multi_processing) import the same libraries and
+    # would print the same import-time FutureWarnings raw; this process logs its own once
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+
+
 def setup_logging() -> _Detail:
     """The console and the detail handlers on the root logger (those of an earlier call in
     this process replaced); library warnings and threads' uncaught exceptions routed through
     logging. Returns the detail handler."""
     root = logging.getLogger()
-    for handler in [h for h in root.handlers if getattr(h, _MARK, False)]:
+    for handler in [h for h in root.handlers if getattr(h, _MARK, False) or _implicit(h)]:
         root.removeHandler(handler)
     detail = _Detail()
     handlers: list[logging.Handler] = [detail]
@@ -236,9 +267,11 @@ def setup_logging() -> _Detail:
     for handler in handlers:
         setattr(handler, _MARK, True)
         root.addHandler(handler)
-    root.setLevel(min(root.level or logging.WARNING, logging.INFO))
     logging.getLogger("beam_prefix").setLevel(logging.INFO)  # progress lines, not Beam's own chatter
     logging.captureWarnings(True)
+    held, _HELD.records = _HELD.records, []
+    for record in held:
+        root.handle(record)
 
     def hook(args):  # a thread's uncaught exception: a log record, not a traceback on the console
         if args.exc_type is SystemExit:

@@ -158,5 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                        options=(StepOptions, ExtractOptions))
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``beam-prefix-extract`` console script: `main`, and the process ends with its status."""
     launch.exit_process(main())
+
+
+if __name__ == "__main__":
+    console_main()

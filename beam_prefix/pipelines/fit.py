@@ -46,8 +46,9 @@ from beam_prefix.pipelines.summary import write_json
 from beam_prefix.pipelines.options import (StepOptions, join_negative_lists, parse_layers, refuse_local_paths, refuse_unknown_flags,
                                task_without_head)
 from beam_prefix.pipelines.publish import Output
-from beam_prefix.pipelines.launch_checks import (hold_outputs, refuse_collisions, refuse_overlap, refuse_unreachable, remote_paths,
-                                     run_reads)
+from beam_prefix.pipelines.launch_checks import (hold_outputs, refuse_collisions, refuse_overlap, refuse_unreachable,
+                                                 remote_paths, run_models, run_reads)
+from beam_prefix.pipelines.model_staging import stage_for_workers
 from beam_prefix.pipelines.sources import input_format, read_rows, require_columns, input_schema
 
 __all__ = ["FitOptions", "run", "main", "fit_head", "check_labels"]
@@ -157,12 +158,14 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     refuse_overlap(outputs, run_reads(options, "fit", task_file=task_file, with_head=False))
     with contextlib.ExitStack() as held:
         hold_outputs(held, outputs)  # another fit of the same head would replace this one's
-        return _fit(options, task_file, layers, test_pipeline)
+        staged = stage_for_workers(options, run_models(options, "fit", task_file=task_file))
+        return _fit(options, task_file, layers, test_pipeline, staged)
 
 
-def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | None, test_pipeline) -> dict:
+def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | None, test_pipeline,
+         staged: str | None = None) -> dict:
     """The fit itself, once the flags and outputs are checked and locked (`layers` None: the
-    features chosen by folds)."""
+    features chosen by folds; `staged`: the embedded model's spec for workers that lack it)."""
     o, f = options.view_as(StepOptions), options.view_as(FitOptions)
     task = task_without_head(task_file)
     found = None
@@ -181,7 +184,7 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | Non
     launch_labels = _labels_at_launch(options, f.label_column)
     if launch_labels is not None:
         check_labels(task, launch_labels)  # before any model work
-    embed = EmbedText(task=task, layers=layers, model=o.model, text_column=o.text_column, id_column=o.id_column,
+    embed = EmbedText(task=task, layers=layers, model=staged or o.model, text_column=o.text_column, id_column=o.id_column,
                       dtype=o.dtype, threads=o.torch_threads, batch_size=o.batch_size or 16,
                       max_text_tokens=o.max_text_tokens, overflow=o.overflow,
                       min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size, verify=o.verify == "true",
@@ -298,5 +301,10 @@ def _format(s: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``beam-prefix-fit`` console script: `main`, and the process ends with its status."""
     exit_process(main())
+
+
+if __name__ == "__main__":
+    console_main()

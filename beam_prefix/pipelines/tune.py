@@ -433,5 +433,10 @@ def _format(s: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``beam-prefix-tune`` console script: `main`, and the process ends with its status."""
     exit_process(main())
+
+
+if __name__ == "__main__":
+    console_main()
