@@ -43,10 +43,12 @@ SHOWN = ("output", "text", "json", "")
 # (page, the block's first line) of every block marked not-run, and why
 NOT_RUN = {
     ("README.md", "make test    # the test suite and the docs build (what CI runs)"): "runs this test",
-    ("docs/scale.md", "# Dataflow (outputs must be gs://; workers install this package from setup.py)"): "Dataflow",
+    ("docs/scale.md", "# Dataflow (outputs must be gs://; workers install this package from setup.py, and the "
+                      "launcher"): "Dataflow, a Flink cluster",
+    ("docs/scale.md", "from beam_prefix import stage_embedded_model"): "a cluster whose workers lack the model",
     ("docs/scale.md", "IMAGE=REGION-docker.pkg.dev/PROJECT/beam-prefix/classify:latest"): "gcloud, Artifact Registry",
-    ("docs/scale.md", "gcloud dataflow flex-template build gs://BUCKET/templates/fit.json --image \"$IMAGE\" "
-                      "--sdk-language PYTHON \\"): "gcloud, Dataflow",
+    ("docs/scale.md", "FIT_IMAGE=REGION-docker.pkg.dev/PROJECT/beam-prefix/fit:latest"): "gcloud, Dataflow",
+    ("docs/extraction.md", "EXTRACT_IMAGE=REGION-docker.pkg.dev/PROJECT/beam-prefix/extract:latest"): "gcloud, Dataflow",
     ("docs/scale.md", ".venv/bin/python -m pipelines.classify --runner=DataflowRunner --device=cuda \\"):
         "Dataflow GPUs",
     ("docs/beam.md", "# Pub/Sub in, BigQuery out: a streaming job on Google Cloud"): "Pub/Sub and BigQuery",
