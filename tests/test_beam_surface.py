@@ -92,3 +92,23 @@ def test_each_step_reports_its_own_startup_rows_and_failures(tiny_dir, tmp_path)
     extracted = per_step("counters", "rows_extracted").get("X", 0)
     failed = per_step("counters", "rows_failed")
     assert failed["C"] == 1 and failed["E"] == 1 and extracted + failed["X"] == 4
+
+
+@pytest.mark.parametrize("make", [
+    lambda d, **kw: ClassifyText(task=tiny_task(), model=d, **kw),
+    lambda d, **kw: EmbedText(task=tiny_task(), model=d, **kw),
+    lambda d, **kw: ExtractFields(task=_extract_task(), model=d, **kw),
+], ids=["classify", "embed", "extract"])
+@pytest.mark.parametrize("batch_size", [0, -3, 2.5, True])
+def test_a_batch_size_that_is_not_a_row_count_is_refused_when_the_step_is_built(tiny_dir, make, batch_size):
+    """batch_size=0 was refused only on the worker, after the model loaded."""
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
+        make(tiny_dir, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 1.5])
+def test_top_k_below_one_is_refused_when_the_step_is_built(tiny_dir, top_k):
+    """top_k=0 was silently taken as no top_k column."""
+    with pytest.raises(ValueError, match="top_k must be a whole number >= 1"):
+        ClassifyText(task=tiny_task(), model=tiny_dir, top_k=top_k)
+    assert ClassifyText(task=tiny_task(), model=tiny_dir, top_k=1).config.top_k == 1

@@ -74,10 +74,9 @@ class ClassifyConfig(StepConfig):
         if self.prob_columns and len(set(columns)) != len(columns):
             raise ValueError(f"labels {self.task.label_names} map to clashing column names {columns}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 0):
-            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if not self.top_k:
-            object.__setattr__(self, "top_k", None)
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k must be a whole number >= 1 (the best labels in a top_k column; leave it "
+                             f"out, None, for no such column), got {self.top_k!r}")
         super().__post_init__()
 
     @property

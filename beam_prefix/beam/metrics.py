@@ -5,6 +5,7 @@ All metrics live in the `beam_prefix` namespace; names carry their unit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -78,7 +79,9 @@ STARTUP_METRICS = {
 
 
 class ProgressLog:
-    """Logs `rows done, rows/s, ms/row` every `every_rows` rows or `every_s` seconds.
+    """Logs `rows done, rows/s, ms/row` every `every_rows` rows or `every_s` seconds, and
+    while a batch runs, a line at least every `every_s` seconds of wall time (a batch of
+    many rows, or a slow decode, is then told apart from a hung one).
 
     One per worker process (shared by its threads), so the line reports the worker.
     """
@@ -93,6 +96,9 @@ class ProgressLog:
         self._busy_s = 0.0
         self._last_rows = 0
         self._last_t = 0.0
+        self._in_flight = 0  # rows of the batches running now
+        self._since = 0.0  # when the oldest of them started
+        self._ticker: threading.Thread | None = None
 
     def add(self, rows: int, busy_s: float) -> None:
         with self._lock:
@@ -106,3 +112,33 @@ class ProgressLog:
                 _LOGGER.info("%s: %d rows done, %.1f rows/s, %.1f ms/row", self.name, self._rows,
                              self._rows / elapsed, 1e3 * self._busy_s / max(self._rows, 1))
                 self._last_rows, self._last_t = self._rows, now
+
+    @contextlib.contextmanager
+    def running(self, rows: int):
+        """While the block runs a batch of `rows` rows, a daemon thread of this log writes
+        a line every `every_s` seconds that nothing else was written."""
+        with self._lock:
+            now = time.perf_counter()
+            if not self._in_flight:
+                self._since = now
+            if self._start is None:
+                self._start = self._last_t = now
+            self._in_flight += rows
+            if self._ticker is None:
+                self._ticker = threading.Thread(target=self._tick, name=f"progress {self.name}", daemon=True)
+                self._ticker.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= rows
+
+    def _tick(self) -> None:
+        while True:
+            time.sleep(min(self.every_s, 5.0) / 2)
+            with self._lock:
+                now = time.perf_counter()
+                if self._in_flight and now - self._last_t >= self.every_s:
+                    _LOGGER.info("%s: %d rows done, %d rows in a batch running for %.0f s", self.name,
+                                 self._rows, self._in_flight, now - self._since)
+                    self._last_t = now

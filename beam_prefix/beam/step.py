@@ -260,6 +260,8 @@ def batching_args(batch_size: int, min_batch_size: int | None, max_batch_size: i
     `start_full`: Beam batches start at `batch_size` rows (default min: 8). Decoding
     (extraction) wants full batches from the first: a decode step of 64 rows costs little
     more than one of 8, and BatchElements would otherwise grow from 8 over many batches."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1 (rows per forward pass), got {batch_size!r}")
     if max_batch_size is None:
         # several forward batches per Beam batch: fewer per-batch costs, and on the
         # expanded-cache path (non-sdpa models, which pad) a length-sorted Beam batch

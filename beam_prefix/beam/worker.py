@@ -178,18 +178,19 @@ class PrefixStepDoFn(beam.DoFn):
         threads = config.threads or THREADS.pick()  # this step's count (torch's is per process)
         set_torch_threads(threads)
         start = time.perf_counter()
-        try:
-            results = self._call(engine, encoded)
-        except Exception as e:  # one bad batch: retry row by row, fail only what still fails
-            _LOGGER.warning("%s: batch of %d rows failed (%s); retrying row by row",
-                            self.step_name, len(good), e)
-            self._metrics.model_retries.inc()
-            results = []
-            for enc in encoded:
-                try:
-                    results.append(self._call(engine, [enc])[0])
-                except Exception as row_error:
-                    results.append(row_error)
+        with self._progress.running(len(encoded)):
+            try:
+                results = self._call(engine, encoded)
+            except Exception as e:  # one bad batch: retry row by row, fail only what still fails
+                _LOGGER.warning("%s: batch of %d rows failed (%s); retrying row by row",
+                                self.step_name, len(good), e)
+                self._metrics.model_retries.inc()
+                results = []
+                for enc in encoded:
+                    try:
+                        results.append(self._call(engine, [enc])[0])
+                    except Exception as row_error:
+                        results.append(row_error)
         elapsed = time.perf_counter() - start
         if not config.threads:
             THREADS.record(threads, elapsed, sum(len(e.suffix_ids) for e in encoded))
