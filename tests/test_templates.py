@@ -70,8 +70,9 @@ def test_fit_metadata_is_the_fit_pipelines_options():
     with open(TEMPLATES / "fit_metadata.json", encoding="utf-8") as f:
         params = {p["name"]: p for p in json.load(f)["parameters"]}
     assert set(params) == set(actions), (set(params) ^ set(actions))
-    for name, p in params.items():
-        assert p["label"] and p["isOptional"] is True and p["helpText"] == actions[name].help, name
+    for name, p in params.items():  # fit refuses to start without a head file and a label column
+        assert p["label"] and p["helpText"] == actions[name].help, name
+        assert p["isOptional"] is (name not in ("output", "label_column")), name
         patterns = [re.compile(r) for r in p["regexes"]]
         for choice in actions[name].choices or ():
             assert any(r.fullmatch(str(choice)) for r in patterns), (name, choice)

@@ -36,11 +36,13 @@ class ClassifyText(beam.PTransform):
     """Classify text rows with a prefix-cached causal LM.
 
     Args:
-        task: a `TaskSpec` or the path of a task YAML file (read at construction, so
-            workers do not need the file).
-        tasks, task_column: instead of `task`, route each row to the task its
-            `task_column` names: `tasks` is a mapping of key -> `TaskSpec` or task file,
-            or a directory of task files keyed by stem (`beam_prefix.beam.routing`).
+        task: a shipped task's name (``support_tickets``, ``support_tickets_head``,
+            ``banking77_head``, ...: `shipped_tasks()`), a task YAML file's path or a
+            `TaskSpec` (read at construction, so workers do not need the file).
+        tasks: instead of `task`, route each row to the task its `task_column` names: a
+            mapping of key -> task (as `task`), or a directory of task files keyed by
+            stem (`beam_prefix.beam.routing`).
+        task_column: with `tasks`, the column holding each row's task key.
         max_prefix_cache_mb: the bound of each worker process's pool of prefix caches
             (default 512; least recently used tasks are dropped and rebuilt on demand).
         model: ``embedded`` (default: the task's model, else embedded), a directory, a
@@ -53,20 +55,26 @@ class ClassifyText(beam.PTransform):
             refused here (`trained_head.dtype_for`).
         threads: torch intra-op threads per worker process (default None: all cores or
             one thread, whichever the step's batches run faster with; `beam.thread_choice`).
-        min_batch_size, max_batch_size: `beam.BatchElements` bounds (max defaults to
-            max(64, 4 x batch_size), min to min(8, max_batch_size)).
+        min_batch_size: the smallest Beam batch (`beam.BatchElements`; default
+            min(8, max_batch_size)).
+        max_batch_size: the largest Beam batch (default max(64, 4 x batch_size)).
         max_batch_duration_secs: buffer rows across bundles for at most this long to
             fill a batch (`beam.BatchElements`' stateful batching, for streaming, where
             bundles are small). Rows buffered this way are released by a timer; where
             the runner does not hold the watermark for them (Python's DirectRunner
             releases them only at the window's end), windowing after classification can
             find them late. A routed step in a batch pipeline batches per task instead.
-        batch_size: rows per forward pass inside a Beam batch.
-        max_text_tokens, overflow, calibration, label_search, label_tolerance: override
-            the task's settings (`label_search`: ``auto``, ``pruned`` or ``exhaustive``).
+        batch_size: rows per forward pass inside a Beam batch (a whole number >= 1).
+        max_text_tokens: overrides the task's token budget for one row's text.
+        overflow: overrides the task's ``truncate`` or ``reject``.
+        calibration: overrides the task's calibration (true, false or a list of
+            content-free texts).
+        label_search: overrides the task's ``auto``, ``pruned`` or ``exhaustive``.
+        label_tolerance: overrides the task's pruned-search tolerance.
         verify: run the cached-vs-full self-check on each worker at start-up.
         top_k: add a ``top_k`` column, the `top_k` best labels as a list of
-            ``{"label", "score"}`` records, best first.
+            ``{"label", "score"}`` records, best first (a whole number >= 1; default
+            None: no such column).
         prob_columns: one ``prob_<label>`` column per label (default: for tasks of at
             most 32 labels).
         keep_columns: input columns copied to each labelled row (default: all). Input
@@ -83,6 +91,7 @@ class ClassifyText(beam.PTransform):
         suffix_pass: ``packed`` (default), ``buckets`` or ``graphs``: on a GPU, ``graphs``
             replays each batch's pass as a CUDA graph (docs/scale.md, "GPU workers"; needs
             ``device`` cuda, cuda:N or auto, and a worker without a GPU runs packed).
+        label: the step's Beam label.
 
     Returns:
         a `ClassifyResult`: ``labeled`` and ``failed`` PCollections (as attributes or

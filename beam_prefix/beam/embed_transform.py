@@ -109,15 +109,29 @@ class EmbedText(PrefixStep):
     """Feature vectors of text rows from a prefix-cached causal LM.
 
     Args:
-        task: a `TaskSpec` or task file: the prompt the rows are read after.
+        task: a shipped task's name, a task file's path or a `TaskSpec`: the prompt the
+            rows are read after.
         layers: hidden-state indices read at each row's last position (default ``(-1,)``,
             the final normalised state; e.g. ``(-1, 20)`` adds layer 20's output).
         pooling: ``last`` (default) reads them at the row's last position; ``mean``
             averages them over the row's suffix positions (its text and the template's
             closing tokens), which a head reads better from (docs/heads.md).
-        model, text_column, id_column, dtype, threads, batch_size, min_batch_size,
-            max_batch_size, max_batch_duration_secs, max_text_tokens, overflow, verify,
-            keep_columns, metadata_prefix, device: as for `ClassifyText`.
+        model: as for `ClassifyText`.
+        text_column: as for `ClassifyText`.
+        id_column: as for `ClassifyText`.
+        dtype: as for `ClassifyText`.
+        threads: as for `ClassifyText`.
+        batch_size: as for `ClassifyText`.
+        min_batch_size: as for `ClassifyText`.
+        max_batch_size: as for `ClassifyText`.
+        max_batch_duration_secs: as for `ClassifyText`.
+        max_text_tokens: as for `ClassifyText`.
+        overflow: as for `ClassifyText`.
+        verify: as for `ClassifyText`.
+        keep_columns: as for `ClassifyText`.
+        metadata_prefix: as for `ClassifyText`.
+        device: as for `ClassifyText`.
+        label: the step's Beam label.
 
     Returns:
         a `step.StepResult` with ``embedded`` and ``failed``; schema'd input gives schema'd

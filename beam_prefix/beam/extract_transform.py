@@ -108,20 +108,31 @@ class ExtractFields(PrefixStep):
     """Extract typed fields from text rows with a prefix-cached causal LM.
 
     Args:
-        task: an `ExtractionSpec` or the path of a task file with ``kind: extract`` (read
-            at construction, so workers do not need the file).
+        task: a shipped extraction task's name (``ticket_fields``), the path of a task file
+            with ``kind: extract``, or an `ExtractionSpec` (read at construction, so
+            workers do not need the file).
         model: ``embedded`` (default: the task's model, else embedded), a directory, a
             ``.gguf`` file, a ``gs://`` directory or a hub id.
-        text_column, id_column, dtype, threads, verify, keep_columns, device: as for `ClassifyText`.
-        batch_size: rows decoded together (default 64).
-        min_batch_size, max_batch_size, max_batch_duration_secs: `beam.BatchElements`
-            settings, as for `ClassifyText`, except that `min_batch_size` defaults to
-            `batch_size` (decoding wants full batches from the first one).
-        max_text_tokens, overflow, max_new_tokens: override the task's settings.
+        text_column: as for `ClassifyText`.
+        id_column: as for `ClassifyText`.
+        dtype: as for `ClassifyText`.
+        threads: as for `ClassifyText`.
+        verify: as for `ClassifyText`.
+        keep_columns: as for `ClassifyText`.
+        device: as for `ClassifyText`.
+        batch_size: rows decoded together (default 64; a whole number >= 1).
+        min_batch_size: the smallest Beam batch (default `batch_size`: decoding wants
+            full batches from the first one).
+        max_batch_size: as for `ClassifyText`.
+        max_batch_duration_secs: as for `ClassifyText`.
+        max_text_tokens: overrides the task's token budget for one row's text.
+        overflow: overrides the task's ``truncate`` or ``reject``.
+        max_new_tokens: overrides the task's bound on generated tokens.
         metadata_prefix: a prefix for the metadata columns (``truncated``,
             ``task_version``, ``prompt_fingerprint``, ``model``). Default: none, unless the
             input already has such columns (``ClassifyText``'s labelled rows): then
             ``extract_``, so ExtractFields chains after ClassifyText with no arguments.
+        label: the step's Beam label.
 
     Returns:
         an `ExtractResult` with ``extracted`` and ``failed`` (attributes or keys); each

@@ -123,19 +123,30 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
     """A `ModelHandler` over `PrefixClassifier`; examples are texts, inferences `Prediction`s.
 
     Args:
-        task: a `TaskSpec` or a task YAML path (read at construction).
+        task: a shipped task's name, a task YAML file's path or a `TaskSpec` (read at
+            construction).
         model: model spec (default: the task's, else ``embedded``); RunInference's model
             updates (`update_model_path`) replace it.
-        dtype, threads, device: as for `PrefixClassifier.load` (``device``: ``cpu``,
-            ``cuda``, ``cuda:N`` or ``auto``).
+        dtype: as for `PrefixClassifier.load` (default: the precision of the task's head,
+            else float32).
+        threads: as for `PrefixClassifier.load`.
+        device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.
         suffix_pass: ``packed`` (default), ``buckets`` or ``graphs`` (CUDA graphs; not with
             ``device="cpu"``; with ``auto`` on a machine without a GPU, packed): docs/scale.md,
             "GPU workers".
         batch_size: rows per forward pass; also the default `max_batch_size`.
         verify: cached-vs-full self-check at load.
         validate_texts: validate each text in a preprocessing step (see the module doc).
-        min_batch_size, max_batch_size, max_batch_duration_secs, max_batch_weight,
-        element_size_fn, large_model, model_copies, env_vars: Beam's `ModelHandler` arguments.
+        min_batch_size: Beam's `ModelHandler` argument: the smallest batch.
+        max_batch_size: the largest batch (default `batch_size`).
+        max_batch_duration_secs: how long to buffer a batch (streaming).
+        max_batch_weight: a batch's largest total weight, by `element_size_fn` (where the
+            installed Beam's `BatchElements` batches by weight; else refused).
+        element_size_fn: an element's weight, for `max_batch_weight`.
+        large_model: one copy of the model per machine, shared by its processes
+            (`MultiProcessShared`).
+        model_copies: that many copies per machine instead.
+        env_vars: environment variables set before the model loads.
     """
 
     def __init__(self, task: TaskSpec | str, *, model: str | None = None, dtype: str | None = None,
