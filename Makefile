@@ -120,8 +120,12 @@ bench-peers: $(STAMP)
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -e '.[test,llama]'
 	$(PY) -m benchmarks.peers
 
-# ours against TF-IDF and a sentence encoder (MiniLM) on Banking77; the `baselines` extra
-# (BASELINES_ARGS=--tune_full also tunes on the whole train split: about 20-35 more minutes)
+# ours against TF-IDF and a sentence encoder (MiniLM) on Banking77, the `baselines` extra:
+# the README's table, its six contenders into benchmarks/results/baselines_defaults.{json,md}
+# (BASELINES_ARGS="--name baselines" runs every contender into baselines.{json,md}; add
+# --tune_full to tune on the whole train split too: about 20-35 more minutes)
+BASELINES_ARGS ?= --contenders tfidf,minilm,ours_early,ours_default,ours_default_tuned,ours_default_bf16 \
+	--name baselines_defaults
 bench-baselines: $(STAMP)
 	$(PY) -c "import sentence_transformers, all_minilm_l6_v2" 2>/dev/null || $(PY) -m pip install --quiet -e '.[test,baselines]'
 	$(PY) -m benchmarks.baselines $(BASELINES_ARGS)

@@ -1,0 +1,94 @@
+"""Figures the pages quote in prose are their results files' (#63), as the tables are
+(`test_docs_tables`): each entry below is a sentence fragment a page must contain, with its
+numbers formatted from the named results file. A rerun that changes a figure fails this
+test until the page says the new one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT
+
+RESULTS = ROOT / "benchmarks" / "results"
+ACCURACY = {"default": "ours, default fit: plain `pipelines.fit`, features chosen by folds",
+            "bf16": "ours, default fit, bfloat16: `pipelines.fit --dtype bfloat16`, features chosen by folds"}
+
+
+def _results(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def _candidate(summary: dict, layers: list[int]) -> dict:
+    return next(c for c in summary["candidates"] if c["layers"] == layers)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _bf16_and_layers(d: dict) -> tuple:
+    """The README's paragraph on what precision and the layer choice each buy."""
+    f32, bf16 = d["ours_default_summary"], d["ours_default_bf16_summary"]
+    best = lambda s: max(c["fold_accuracy"] for c in s["candidates"])  # noqa: E731
+    gap = lambda s: f"{100 * (best(s) - _candidate(s, [1])['fold_accuracy']):.2f}"  # noqa: E731
+    ms = lambda s, layer: f"{_candidate(s, [layer])['ms_per_row']:.1f}"  # noqa: E731
+    return (f"best fold accuracy ({gap(bf16)} below) and took it; the float32 fit found it just outside "
+            f"({gap(f32)})",
+            f"(layer 6: {ms(bf16, 6)} against {ms(f32, 6)} ms/row; layer 1: {ms(bf16, 1)} against {ms(f32, 1)})")
+
+
+def _bf16_heads(d: dict) -> tuple:
+    a = d["accuracy"]
+    return (f"{_pct(a[ACCURACY['bf16']]['full train'])} on the whole split and "
+            f"{_pct(a[ACCURACY['bf16']]['10 rows per intent'])} at 10 rows per intent, against "
+            f"{_pct(a[ACCURACY['default']]['full train'])} and {_pct(a[ACCURACY['default']]['10 rows per intent'])}",)
+
+
+def _tuning_cost(d: dict) -> tuple:
+    tuned = d["ours_default_tuned_summary_few"]
+    rows = d["few"] - tuned["validation"]["rows"]
+    return (f"{rows} of the {d['few']} rows at 10 per intent (the rest held out) x {tuned['epochs']} epochs took "
+            f"{tuned['tune_s']:.0f} s",)
+
+
+def _tuning_cost_every_contender(d: dict) -> tuple:
+    return (f"one epoch, took {d['ours_early_tuned_record']['tune_s']:,.0f} s",
+            f"tuned the 770 rows in {d['ours_early_tuned_record_few']['tune_s']:.0f} s")
+
+
+def _default_costs(d: dict) -> tuple:
+    best = d["workloads"]["support"]["best_c"]
+    return (f"{best['ms_per_row']:.1f} ms/row at batch {best['batch']}, {best['speedup_vs_a']:.1f}x re-encoding",)
+
+
+def _default_head_costs(d: dict) -> tuple:
+    best = d["cost"]["ms_per_row_best"]
+    return (f"{best[ACCURACY['default']]:.2f} ms/row at batch 64 on one thread, {best[ACCURACY['bf16']]:.2f} in "
+            f"bfloat16", f"{_pct(d['accuracy'][ACCURACY['default']]['full train'])} on Banking77's test rows")
+
+
+def _lm_judge(d: dict) -> tuple:
+    a = d["accuracy"]
+    return (f"{_pct(a['support LM (calibrated), 66 held-out'])} on the 66 held-out support tickets",
+            f"{100 * a['banking77 LM scoring (shipped task, pruned), 100 random test rows']:.0f}% on 100 Banking77")
+
+
+QUOTES = [
+    ("docs/models.md", "speedup", _default_costs),
+    ("docs/models.md", "baselines_defaults", _default_head_costs),
+    ("docs/models.md", "heads", _lm_judge),
+    ("README.md", "baselines_defaults", _bf16_and_layers),
+    ("docs/scale.md", "baselines_defaults", _bf16_heads),
+    ("docs/heads.md", "baselines_defaults", _tuning_cost),
+    ("docs/heads.md", "baselines", _tuning_cost_every_contender),
+]
+
+
+@pytest.mark.parametrize("page, name, quote", QUOTES, ids=[f"{p}:{n}:{q.__name__}" for p, n, q in QUOTES])
+def test_a_figure_quoted_in_prose_is_its_results_files(page, name, quote):
+    text = " ".join((ROOT / page).read_text(encoding="utf-8").split())  # (as wrapped anywhere)
+    for fragment in quote(_results(name)):
+        fragment = " ".join(fragment.split())
+        assert fragment in text, f"{page} does not say {fragment!r} (benchmarks/results/{name}.json)"
