@@ -225,3 +225,12 @@ def test_fit_with_a_label_of_one_row_says_there_was_no_cross_validation():
                        "features_s": 1.0, "fit_s": 0.1, "kfold_accuracy": None, "folds": 0, "C": 1.0,
                        "note": "a label has a single row: no cross-validation", "worst_label_f1": []})
     assert "no cross-validation (a label has a single row" in out and "0-fold" not in out and "F1" not in out
+
+
+@pytest.mark.parametrize("flag", ["--number_of_execution_retries=3", "--checkpointing_interval=60000"])
+def test_a_java_flink_runner_option_is_refused_with_where_to_set_it(tmp_path, flag, no_model, capsys):
+    """Python's Beam drops the Java Flink runner's own options on the way to a job server,
+    so a restart count given as a flag would silently not apply."""
+    err = _exit_2(classify.main, ["--runner=PortableRunner", "--job_endpoint=localhost:8099",
+                                  f"--input={SAMPLE}", f"--output={tmp_path}/o/out", flag], capsys)
+    assert f"{flag.split('=')[0]} is an option of Beam's Java Flink runner" in err and "--flink-conf-dir" in err

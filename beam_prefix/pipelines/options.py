@@ -267,6 +267,23 @@ def join_negative_lists(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
     return out
 
 
+# Options of Beam's Java Flink runner (FlinkPipelineOptions, Beam 2.70) that Python's Beam
+# does not know: through a job server (PortableRunner, FlinkRunner without an uber jar) it
+# drops them, so they are refused with where to set them instead
+FLINK_JAVA_FLAGS = frozenset((
+    "allow_non_restored_state", "attached_mode", "auto_watermark_interval", "checkpoint_timeout_millis",
+    "checkpointing_interval", "checkpointing_mode", "disable_metrics", "enable_stable_input_drain",
+    "execution_mode_for_batch", "execution_retry_delay", "fail_on_checkpointing_errors", "faster_copy",
+    "file_input_split_max_size_mb", "finish_bundle_before_checkpointing", "flink_conf_dir",
+    "force_slot_sharing_group", "force_unaligned_checkpoint_enabled", "job_check_interval_in_secs",
+    "latency_tracking_interval", "max_bundle_size", "max_bundle_time_mills", "min_pause_between_checkpoints",
+    "num_concurrent_checkpoints", "number_of_execution_retries", "object_reuse", "operator_chaining",
+    "re_iterable_group_by_key_result", "report_checkpoint_duration",
+    "retain_externalized_checkpoints_on_cancellation", "savepoint_path", "shutdown_sources_after_idle_ms",
+    "state_backend", "state_backend_factory", "state_backend_storage_path", "unaligned_checkpoint_enabled",
+    "use_data_stream_for_batch"))
+
+
 def refuse_unknown_flags(argv: Sequence[str], own: Sequence[type], prog: str) -> None:
     """Refuse a flag that neither the pipeline (`own` option classes) nor Beam knows: Beam
     drops it with a log line ('Discarding unparseable args'), so a misspelt
@@ -289,6 +306,11 @@ def refuse_unknown_flags(argv: Sequence[str], own: Sequence[type], prog: str) ->
     if not flags and unknown:
         raise ValueError(f"unexpected argument {unknown[0]!r} (flags take the form --name=value; "
                          f"{prog} --help lists them)")
+    if flags and flags[0].lstrip("-") in FLINK_JAVA_FLAGS:
+        raise ValueError(f"{flags[0]} is an option of Beam's Java Flink runner, which Python's Beam drops when "
+                         f"it submits to a job server; set it in the Flink configuration the job server reads "
+                         f"(its --flink-conf-dir: restart-strategy, execution.checkpointing.*, state.backend), "
+                         f"docs/scale.md, Flink")
     if flags:
         known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
         close = difflib.get_close_matches(flags[0], known, n=1, cutoff=0.6)
