@@ -75,7 +75,27 @@ def _lm_judge(d: dict) -> tuple:
             f"{100 * a['banking77 LM scoring (shipped task, pruned), 100 random test rows']:.0f}% on 100 Banking77")
 
 
+def _sizing(d: dict) -> tuple:
+    run = next(r for r in d["runs"] if r["run"] == "classify, throughput")
+    step, vcpus = run["step"], d["cpu_count"]
+    loaded = sorted(w["peak_rss_mb"] for w in run["workers"] if w["peak_rss_mb"] > 1000)
+    io_only = [w["peak_rss_mb"] for w in run["workers"] if w["peak_rss_mb"] <= 1000]
+    every = [w["peak_rss_mb"] for r in d["runs"] for w in r["workers"] if w["peak_rss_mb"] > 1000]
+    per_vcpu = run["rows_per_s"] / vcpus
+    return (" and ".join(f"{m:,.0f}" for m in loaded) + " MB |",
+            f"{min(io_only):.0f} to {max(io_only):.0f} MB |",
+            f"{step['model_ms_per_row']:.1f} ms ({step['model_rows_per_s']:.1f} rows/s)",
+            f"{step['startup_model_load_s']:.1f} s, {step['startup_prefix_build_s']:.1f} s, "
+            f"{step['startup_self_check_s']:.1f} s",
+            f"{run['rows']:,} rows in {run['wall_s']:.1f} s: {run['rows_per_s']:.1f} rows/s, {per_vcpu:.1f} per vCPU",
+            f"at the whole job's {per_vcpu:.1f} rows/s per vCPU, {1e6 / per_vcpu / 3600:.1f} vCPU-hours",
+            f"({step['model_rows_per_s']:.1f} rows/s per process, one process per vCPU",
+            f"{1e6 / step['model_rows_per_s'] / 3600:.1f} vCPU-hours",
+            f"peaked between {min(every):,.0f} and {max(every):,.0f} MB")
+
+
 QUOTES = [
+    ("docs/scale.md", "flink", _sizing),
     ("docs/models.md", "speedup", _default_costs),
     ("docs/models.md", "baselines_defaults", _default_head_costs),
     ("docs/models.md", "heads", _lm_judge),
