@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
 
 from beam_prefix import PrefixClassifier, TaskSpec
-from beam_prefix.engines.feature_search import Candidate, candidates, choose, slice_features, union
+from beam_prefix.engines.feature_search import Candidate, candidates, choose, slice_features, time_candidates, union
 from beam_prefix.tasks.trained_head import TrainedHead
 from beam_prefix.pipelines import fit
 
@@ -68,8 +69,10 @@ def test_fit_with_no_feature_flags_compares_the_candidates_from_one_pass(tiny_di
                      "--folds=3"]) == 0
     assert built == [((1, 2, -1), "last+mean")]  # one feature pass for every candidate
     s = json.loads((tmp_path / "s.json").read_text())
-    rows = s["candidates"]
-    assert [(r["layers"], r["pooling"]) for r in rows] == [([1], "mean"), ([1, 2], "mean"), ([-1], "last")]
+    rows = s["candidates"]  # each feature set without and with the task's label rows (--label_rows auto)
+    assert [(r["layers"], r["pooling"], r["label_rows"]) for r in rows] == [
+        (layers, pooling, with_rows) for layers, pooling in (([1], "mean"), ([1, 2], "mean"), ([-1], "last"))
+        for with_rows in (False, True)]
     for r in rows:
         assert r["dtype"] == "float32" and 0 <= r["fold_accuracy"] <= 1 and r["ms_per_row"] > 0
         assert r["ngrams"] == (r["lexical_alpha"] > 0)
@@ -77,9 +80,11 @@ def test_fit_with_no_feature_flags_compares_the_candidates_from_one_pass(tiny_di
     chosen = s["chosen"]
     assert chosen["prefer"] == "balanced" and (s["layers"], s["pooling"]) == (chosen["layers"], chosen["pooling"])
     near = [r for r in rows if r["fold_accuracy"] >= best - 0.005]
-    assert min(near, key=lambda r: r["ms_per_row"])["layers"] == chosen["layers"]
+    pick = min(near, key=lambda r: (r["ms_per_row"], -r["fold_accuracy"]))
+    assert (pick["layers"], pick["label_rows"]) == (chosen["layers"], chosen["label_rows"])
     head = TrainedHead.load(tmp_path / "h.head")
     assert list(head.layers) == chosen["layers"] and head.pooling == chosen["pooling"]
+    assert ("label_rows" in head.metrics) == chosen["label_rows"]
     assert head.metrics["feature_search"]["chosen"] == chosen  # the head file records it
     printed = capsys.readouterr().out
     assert "features chosen by folds" in printed and "* layers" in printed
@@ -152,3 +157,19 @@ def _as(head, dtype):
     other = copy.copy(head)
     other.dtype = dtype
     return other
+
+
+def test_candidates_are_timed_by_their_least_disturbed_round():
+    """#64.3: a process waking up during one round must not reorder the candidates' costs,
+    so each keeps its best of interleaved rounds (a round can only be slowed, never sped)."""
+    cheap, dear = Candidate((1,), "mean"), Candidate((6,), "mean")
+    calls = {cheap: 0, dear: 0}
+    busy = {(cheap, 2): 0.08, (cheap, 3): 0.08}  # the cheap candidate's 2nd and 3rd calls hit a busy machine
+
+    def embed(c):
+        calls[c] += 1
+        time.sleep((0.01 if c == cheap else 0.03) + busy.get((c, calls[c]), 0.0))
+
+    costs = time_candidates(embed, [cheap, dear], rounds=3)
+    assert costs[cheap] < costs[dear]  # (a median would have put the cheap one above the dear one)
+    assert 10 <= costs[cheap] < 30 <= costs[dear] < 60

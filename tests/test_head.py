@@ -453,8 +453,25 @@ def test_fit_label_rows_through_the_command_line(tiny_dir, tmp_path, capsys):
     labels = TaskSpec.from_yaml(SUPPORT_TASK).labels
     assert trained.metrics["label_rows"] == len(labels) + sum(1 for label in labels if label.description)
     assert trained.metrics["train_rows"] == 60 and trained.trained_on(labels[0].name.replace("_", " "))
-    summary = fit.run(argv + [f"--output={tmp_path}/plain.head"])
+    summary = fit.run(argv + [f"--output={tmp_path}/plain.head", "--label_rows=false"])
     assert summary["label_rows"] == 0 and "label_rows" not in TrainedHead.load(tmp_path / "plain.head").metrics
+    assert "label_rows_fold_accuracy" not in summary
+
+
+def test_fit_with_label_rows_auto_keeps_the_variant_its_folds_prefer(tiny_dir, tmp_path):
+    """The default (#64.1): with the features named, the head is fit with the task's label
+    rows and without, on the same folds, and the better kept (a tie: without)."""
+    argv = ["--runner=DirectRunner", "--task=support_tickets", f"--input={SAMPLE}", "--label_column=label",
+            f"--model={tiny_dir}", "--verify=false", "--folds=3", "--lexical=false", "--layers=-1"]
+    summary = fit.run(argv + [f"--output={tmp_path}/auto.head"])
+    by_folds = summary["label_rows_fold_accuracy"]
+    assert set(by_folds) == {"with", "without"} and all(0 <= v <= 1 for v in by_folds.values())
+    kept = TrainedHead.load(tmp_path / "auto.head")
+    taught = by_folds["with"] > by_folds["without"]
+    assert ("label_rows" in kept.metrics) == taught and kept.metrics["kfold_accuracy"] == max(by_folds.values())
+    for variant, flag in (("with", "true"), ("without", "false")):  # each variant is what that flag fits
+        alone = fit.run(argv + [f"--output={tmp_path}/{variant}.head", f"--label_rows={flag}"])
+        assert alone["kfold_accuracy"] == by_folds[variant]
 
 
 def test_fit_refuses_label_rows_the_step_refused(tiny_dir, tmp_path, capsys):
@@ -470,3 +487,12 @@ def test_fit_refuses_label_rows_the_step_refused(tiny_dir, tmp_path, capsys):
                      f"--output={tmp_path}/h.head"]) == 2
     assert "1 of the task's 6 label rows failed" in capsys.readouterr().err
     assert not (tmp_path / "h.head").exists()
+
+
+def test_fit_says_which_label_rows_variant_its_folds_kept(tiny_dir, tmp_path, capsys):
+    assert fit.main(["--runner=DirectRunner", "--task=support_tickets", f"--input={SAMPLE}", "--label_column=label",
+                     f"--model={tiny_dir}", "--verify=false", "--folds=3", "--lexical=false", "--layers=-1",
+                     f"--output={tmp_path}/h.head"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("label rows (--label_rows auto)"))
+    kept = "with" if "label_rows" in TrainedHead.load(tmp_path / "h.head").metrics else "without"
+    assert line.endswith(f"kept {kept}")

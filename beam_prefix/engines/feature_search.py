@@ -71,18 +71,20 @@ def slice_features(features: np.ndarray, layers: Sequence[int], candidate: Candi
     return np.concatenate(parts, axis=1)
 
 
-def choose(accuracies: dict[Candidate, float], costs: dict[Candidate, float], prefer: str = "balanced") -> Candidate:
+def choose(accuracies: dict, costs: dict, prefer: str = "balanced"):
     """The cheapest candidate whose fold accuracy is within `PREFER_MARGINS[prefer]` of the
-    best (ties in cost: the more accurate)."""
+    best (ties in cost: the more accurate; then the first given). The keys are candidates,
+    or any key a search ranks (e.g. a candidate with or without label rows)."""
     best = max(accuracies.values())
     near = [c for c, a in accuracies.items() if a >= best - PREFER_MARGINS[prefer] - 1e-12]
     return min(near, key=lambda c: (costs.get(c, float("inf")), -accuracies[c]))
 
 
 def time_candidates(embed: Callable[[Candidate], object], found: Sequence[Candidate], *, rounds: int = 3) -> dict:
-    """Milliseconds per call of `embed(candidate)` (one batch of rows each), the median of
-    `rounds` interleaved rounds after one warm-up each, so every candidate is timed under the
-    same conditions."""
+    """Milliseconds per call of `embed(candidate)` (one batch of rows each), the best of
+    `rounds` interleaved rounds after one warm-up each: every candidate is timed under the
+    same conditions, and another process waking up slows a round, never speeds one, so the
+    best round is the one least disturbed (as the benchmarks time)."""
     for c in found:
         embed(c)
     times: dict[Candidate, list[float]] = {c: [] for c in found}
@@ -91,4 +93,4 @@ def time_candidates(embed: Callable[[Candidate], object], found: Sequence[Candid
             start = time.perf_counter()
             embed(c)
             times[c].append((time.perf_counter() - start) * 1000)
-    return {c: float(np.median(t)) for c, t in times.items()}
+    return {c: float(min(t)) for c, t in times.items()}

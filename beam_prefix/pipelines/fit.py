@@ -86,10 +86,11 @@ class FitOptions(PipelineOptions):
                            help="pipelines.fit: also fit a regression on the rows' word and character n-grams and "
                                 "weigh it beside the hidden states by the same folds (true, default; the folds may "
                                 "give it weight 0, and then the head has none), or not (false).")
-        group.add_argument("--label_rows", default="false", choices=("true", "false"),
+        group.add_argument("--label_rows", default="auto", choices=("auto", "true", "false"),
                            help="pipelines.fit: also train on the task's own words, each label's name read as text "
                                 "(card_arrival as 'card arrival') and its description: rows that train every fold "
-                                "and the head, never held out (true), or not (false, default).")
+                                "and the head, never held out. auto (default): the folds decide, each feature set "
+                                "fit with them and without; true: always; false: never.")
         group.add_argument("--folds", type=int, default=5,
                            help="pipelines.fit: folds of the stratified cross-validation that chooses the "
                                 "regularisation (fewer when a label has fewer rows).")
@@ -200,7 +201,7 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | Non
                             ("prompt", pa.string()), (FEATURES_COLUMN, pa.list_(pa.float32()))])
         _ = (result.embedded | "Shape" >> beam.ParDo(_Shape(o.text_column, f.label_column))
              | "WriteFeatures" >> beam.io.WriteToParquet(staging.features, staged, file_name_suffix=".parquet"))
-        if f.label_rows == "true":  # the task's own words, through the same step: the same features
+        if f.label_rows != "false":  # the task's own words, through the same step: the same features
             texts, names = task_label_rows(task)
             extra = (p | "LabelRows" >> beam.Create([{o.text_column: t, f.label_column: n} for t, n in zip(texts, names)])
                      | "EmbedLabelRows" >> embed)
@@ -225,20 +226,25 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | Non
         if len(prompts) != 1:
             raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
         prompt = prompts.pop()
-        extra = None
-        if f.label_rows == "true":
+        extra, label_rows_note = None, None
+        if f.label_rows != "false":
             rows_of_labels = staging.read_label_rows()
             expected = len(task_label_rows(task)[0])
             staged_rows = 0 if rows_of_labels is None else rows_of_labels.num_rows
-            if staged_rows != expected:
+            if staged_rows != expected and f.label_rows == "true":
                 raise ValueError(f"{expected - staged_rows} of the task's {expected} label rows failed "
                                  f"(a label name or description the step refused, e.g. longer than "
                                  f"--max_text_tokens with --overflow reject); fit without --label_rows or change them")
-            if set(rows_of_labels.column("prompt").to_pylist()) - {prompt}:
-                raise RuntimeError("the task's label rows came from another prompt than the rows'")
-            extra = (np.asarray(rows_of_labels.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32),
-                     rows_of_labels.column("label").to_pylist(), rows_of_labels.column("text").to_pylist(),
-                     rows_of_labels.column("hash").to_pylist())
+            if staged_rows != expected:  # (auto: fit without them, and say why)
+                label_rows_note = (f"label rows not used: {expected - staged_rows} of the task's {expected} failed "
+                                   f"(e.g. longer than --max_text_tokens with --overflow reject)")
+                _LOGGER.warning("%s", label_rows_note)
+            else:
+                if set(rows_of_labels.column("prompt").to_pylist()) - {prompt}:
+                    raise RuntimeError("the task's label rows came from another prompt than the rows'")
+                extra = (np.asarray(rows_of_labels.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32),
+                         rows_of_labels.column("label").to_pylist(), rows_of_labels.column("text").to_pylist(),
+                         rows_of_labels.column("hash").to_pylist())
         # (the n-grams read each row's whole text; a row cut at --max_text_tokens is read cut
         # when classified)
         texts = table.column("text").to_pylist()
@@ -248,14 +254,20 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | Non
             costs = fit_search.ms_per_row(embed.config.model, o.dtype, task, texts, found)
             head, table_of, chosen = fit_search.fit_candidates(
                 found, layers, features, labels, hashes, task, prompt=prompt, dtype=o.dtype, folds=f.folds,
-                texts=texts if f.lexical == "true" else None, extra=extra, prefer=f.prefer, costs=costs)
+                texts=texts if f.lexical == "true" else None, extra=extra, prefer=f.prefer, costs=costs,
+                label_rows=f.label_rows)
             searched = {"candidates": table_of, "chosen": chosen}
             layers, pooling = head.layers, head.pooling
         else:
-            head = fit_head(features, labels, hashes, task, layers=layers,
-                            fingerprint=feature_fingerprint(prompt, precision_of(o.dtype), layers, pooling),
-                            folds=f.folds, pooling=pooling, texts=texts if f.lexical == "true" else None, extra=extra,
-                            dtype=o.dtype)
+            head, by_folds = fit_search.with_or_without_label_rows(
+                lambda more: fit_head(features, labels, hashes, task, layers=layers,
+                                      fingerprint=feature_fingerprint(prompt, precision_of(o.dtype), layers, pooling),
+                                      folds=f.folds, pooling=pooling, texts=texts if f.lexical == "true" else None,
+                                      extra=more, dtype=o.dtype), extra, f.label_rows)
+            if by_folds is not None:
+                searched = {"label_rows_fold_accuracy": by_folds}
+        if label_rows_note:
+            searched["label_rows_note"] = label_rows_note
     finally:
         staging.delete()
     write_head(head, o.output)  # all or nothing
@@ -298,6 +310,12 @@ def _format(s: dict) -> str:
                         f"{s['kfold_accuracy_hidden_states']:.1%})" if s.get("kfold_accuracy_hidden_states") is not None
                         else ""))
         lines.append("lowest per-label F1: " + ", ".join(f"{n} {v:.2f}" for n, v in s["worst_label_f1"]))
+    folds = s.get("label_rows_fold_accuracy")
+    if folds and None not in folds.values():
+        lines.append(f"label rows (--label_rows auto): fold accuracy {folds['with']:.1%} with the task's label rows, "
+                     f"{folds['without']:.1%} without; kept {'with' if s['label_rows'] else 'without'}")
+    if s.get("label_rows_note"):
+        lines.append(s["label_rows_note"])
     return "\n".join(lines)
 
 
