@@ -94,8 +94,9 @@ class ClassifyText(_YamlStep):
     Beam YAML's ``error_handling``. Outputs ``labeled`` and ``failed``.
 
     Args:
-        task: path of a task YAML file (or ``tasks`` + ``task_column``: a mapping of key ->
-            task file, or a directory of task files, for a task per row).
+        task: a shipped task's name (``support_tickets``, ...) or a task YAML file's path (or
+            ``tasks`` + ``task_column``: a mapping of key -> task, or a directory of task
+            files, for a task per row).
         model: ``embedded`` (default: the task's), a model directory, ``.gguf`` or hub id.
         text_column: the column holding the text.
         error_handling: Beam YAML's ``{output: NAME}``: failed rows go to NAME in YAML's
@@ -112,7 +113,8 @@ class ExtractFields(_YamlStep):
     ``extracted`` and ``failed``.
 
     Args:
-        task: path of a task file with ``kind: extract``.
+        task: a shipped extraction task's name (``ticket_fields``) or the path of a task file
+            with ``kind: extract``.
         model: ``embedded`` (default: the task's), a model directory, ``.gguf`` or hub id.
         text_column: the column holding the text.
         error_handling: Beam YAML's ``{output: NAME}``, as for `ClassifyText` here.
@@ -128,7 +130,7 @@ class EmbedText(_YamlStep):
     ``embedded`` (a ``features`` column) and ``failed``.
 
     Args:
-        task: path of a task file: the prompt the rows are read after.
+        task: a shipped task's name or a task file's path: the prompt the rows are read after.
         layers: hidden-state indices whose states are concatenated (default ``[-1]``).
         pooling: ``last`` (the row's last position) or ``mean`` (over the row's suffix).
         error_handling: Beam YAML's ``{output: NAME}``, as for `ClassifyText` here.

@@ -121,7 +121,8 @@ class PrefixEngine:
         """Load `model` (default: the task's model, else ``"embedded"``) and build the engine.
 
         Args:
-            task: a task of this kind, or the path of its task file.
+            task: a task of this kind, a shipped task's name (``support_tickets``,
+                ``ticket_fields``, ...: `shipped_tasks()`) or the path of its task file.
             model: ``"embedded"``, a local directory, a ``.gguf`` file, a ``gs://``
                 directory or a hub id.
             dtype: ``float32`` (exact), ``bfloat16`` (CPUs with native bf16, GPUs) or
