@@ -159,7 +159,8 @@ def test_fit_on_a_full_disk_is_one_line_naming_its_log(tiny_dir, tmp_path):
     head = tmp_path / "support.head"
     proc = subprocess.run([sys.executable, "-c", _FULL_DISK, "--runner=DirectRunner", f"--input={SAMPLE}",
                            "--label_column=label", f"--model={tiny_dir}", f"--output={head}", "--layers=-1",
-                           "--verify=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--verify=false"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "BEAM_PREFIX_CLI": "1"})  # (a wrapper around fit.main)
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = _one_line_end(proc.stderr)
     assert line.startswith("error: a disk is full (OSError: [Errno 28] No space left on device")
@@ -262,3 +263,16 @@ def test_a_tune_names_the_model_as_given_and_writes_heads_as_fit_does(tiny_dir, 
     written = _task_yaml(task_file, read_task_file(task_file), "support_tickets", "support_tickets.head",
                          _model_spec("embedded"), "float32", tuned=False)
     assert "\nmodel: embedded\n" in written
+
+
+def test_a_program_that_imports_the_pipelines_keeps_its_own_logging_and_warnings(tmp_path):
+    """Only a CLI process holds import-time records for its one-line console: a program of
+    your own that imports a pipeline module still sees its warnings and log lines."""
+    code = ("import logging, warnings\n"
+            "import beam_prefix.pipelines.classify\n"
+            "warnings.warn('mine to see')\n"
+            "logging.getLogger('user').warning('my own line')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "UserWarning: mine to see" in proc.stderr and "my own line" in proc.stderr

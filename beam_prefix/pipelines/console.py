@@ -13,7 +13,11 @@ Every CLI (`pipelines.classify`, `extract`, `fit`, `tune`) runs its work through
   own progress lines; what was cut (tracebacks, multi-line errors, library warnings, a
   thread's uncaught exception) is kept, bounded, in memory, and written to a new file in
   the temporary directory (``beam-prefix-<cli>-*.log``) when the run fails, which the final
-  error line names. ``BEAM_PREFIX_LOG_FILE=PATH`` writes the whole log there as it goes.
+  error line names. ``BEAM_PREFIX_LOG_FILE=PATH`` writes the whole log there as it goes;
+- what libraries log or warn while a CLI process imports them (Google's clients on an older
+  grpcio) is held and shown the same way, one line each. Only a CLI process holds them (run
+  with ``-m``, as a console script, or by a wrapper that sets ``BEAM_PREFIX_CLI=1``): a
+  program of your own that imports the pipelines keeps its own logging and warnings.
 """
 
 from __future__ import annotations
@@ -236,9 +240,22 @@ class _Held(logging.Handler):
         self.records.append(record)
 
 
+def _started_as_a_cli() -> bool:
+    """Whether this process is one of the CLIs (``python -m beam_prefix.pipelines.fit``, the
+    checkout's ``python -m pipelines.fit``, a ``beam-prefix-*`` console script, or a wrapper
+    that says so with ``BEAM_PREFIX_CLI=1``), not a program of its own that imports them (its
+    logging and warnings stay its own)."""
+    if os.environ.get("BEAM_PREFIX_CLI") == "1":
+        return True
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1].startswith(("beam_prefix.pipelines.", "pipelines."))
+    return os.path.basename(sys.argv[0] if sys.argv else "").startswith("beam-prefix-")
+
+
 _HELD = _Held()
 setattr(_HELD, _MARK, True)
-if not logging.getLogger().handlers:  # (a host that set up logging first keeps its own)
+if _started_as_a_cli() and not logging.getLogger().handlers:  # (a host that set up logging keeps its own)
     logging.getLogger().addHandler(_HELD)
     logging.captureWarnings(True)
     # local worker processes (DirectRunner multi_processing) import the same libraries and
