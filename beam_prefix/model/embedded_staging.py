@@ -19,9 +19,9 @@ import json
 import os
 import re
 import shutil
-import tempfile
 
 from beam_prefix.errors import ModelLoadError
+from beam_prefix.model.cache_directory import filled_in_place
 
 __all__ = ["STAGED", "MANIFEST", "staged_spec", "staged_location", "stage_embedded", "stage_embedded_model",
            "fetch_staged"]
@@ -122,10 +122,8 @@ def fetch_staged(folder: str, target: str) -> str:
         raise ModelLoadError(f"model 'embedded': this worker has no copy of its own, and {folder!r} holds no staged "
                              f"copy ({MANIFEST} missing or unreadable): stage it again (the launcher does, given "
                              f"--temp_location) or install the model on the workers")
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".staged-", dir=parent)
-    try:
+    # (another process of this worker may win the rename, which is fine)
+    with filled_in_place(target, marker="model.safetensors", prefix=".staged-") as tmp:
         for name, meta in manifest.items():
             h = hashlib.sha256()
             with FileSystems.open(FileSystems.join(folder, name), compression_type=CompressionTypes.UNCOMPRESSED) as src, \
@@ -136,11 +134,4 @@ def fetch_staged(folder: str, target: str) -> str:
             if h.hexdigest() != meta.get("sha256"):
                 raise ModelLoadError(f"model 'embedded' staged in {folder!r}: {name} is not the file its manifest names "
                                      f"(SHA-256 differs); stage it again")
-        try:
-            os.rename(tmp, target)  # atomic: another process of this worker may have won, which is fine
-        except OSError:
-            if not os.path.exists(os.path.join(target, "model.safetensors")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target

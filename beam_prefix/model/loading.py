@@ -26,13 +26,13 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import threading
 import time
 
 import torch
 
 from beam_prefix.errors import ModelLoadError
+from beam_prefix.model.cache_directory import filled_in_place
 from beam_prefix.model.half_precision import HALF_DTYPES, half_linears, linears_precision
 from beam_prefix.model.embedded_staging import fetch_staged, staged_location
 from beam_prefix.model.tuning_record import check_weights, read_record
@@ -374,19 +374,9 @@ def _save_converted(loaded: LoadedModel, target: str) -> None:
     if missing or unexpected:
         raise ModelLoadError(f"converted model does not match its weights: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
-    try:
-        fresh.save_pretrained(tmp)
+    with filled_in_place(target, marker="model.safetensors", prefix=".convert-") as tmp:
+        fresh.save_pretrained(tmp)  # (a concurrent converter may win the rename, which is fine)
         loaded.tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)  # atomic: a concurrent converter may have won, which is fine
-        except OSError:
-            if not os.path.exists(os.path.join(target, "model.safetensors")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # files of a model directory that hold no weights (what a launcher needs to check a task)
@@ -413,9 +403,7 @@ def _copy_remote(url: str, *, small_only: bool = False) -> str:
         matches = [m for m in matches if _SMALL_FILES.fullmatch(m.path[len(base):])]
     if not matches:
         raise ModelLoadError(f"model directory {url!r} is empty or does not exist")
-    os.makedirs(cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".remote-", dir=cache_root())
-    try:
+    with filled_in_place(target, marker=".complete", prefix=".remote-") as tmp:
         for meta in matches:
             rel = meta.path[len(base):]
             dest = os.path.join(tmp, rel)
@@ -423,11 +411,4 @@ def _copy_remote(url: str, *, small_only: bool = False) -> str:
             with FileSystems.open(meta.path, compression_type=CompressionTypes.UNCOMPRESSED) as src, open(dest, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 20)
         open(os.path.join(tmp, ".complete"), "w").close()
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not os.path.exists(os.path.join(target, ".complete")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
