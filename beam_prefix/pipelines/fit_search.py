@@ -78,10 +78,11 @@ def with_or_without_label_rows(fit: Callable[[object], object], extra, label_row
     each variant's fold accuracy by ``with``/``without``, or None with one variant)."""
     if extra is None or label_rows != "auto":
         return fit(extra if label_rows == "true" else None), None
-    without, taught = fit(None), fit(extra)
-    folds = {"without": without.metrics.get("kfold_accuracy"), "with": taught.metrics.get("kfold_accuracy")}
-    better = (taught.metrics.get("kfold_accuracy") or 0.0) > (without.metrics.get("kfold_accuracy") or 0.0)
-    return (taught if better else without), folds
+    heads = {False: fit(None), True: fit(extra)}  # (the search's rule: same cost, the more accurate, else the first)
+    kept = choose({k: h.metrics.get("kfold_accuracy") or 0.0 for k, h in heads.items()}, dict.fromkeys(heads, 0.0),
+                  "accuracy")
+    return heads[kept], {"without": heads[False].metrics.get("kfold_accuracy"),
+                         "with": heads[True].metrics.get("kfold_accuracy")}
 
 
 def ms_per_row(model: str, dtype: str, task, texts: Sequence[str], found: Sequence[Candidate]) -> dict:

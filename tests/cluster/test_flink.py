@@ -87,17 +87,31 @@ def _check_run(proc, out: str) -> dict:
     return summary
 
 
+def _direct_output(tmp_path, common: list[str], *, module: str, what: str) -> str:
+    """The same CLI and flags on the DirectRunner (the project's newest Beam): its output prefix."""
+    ref = f"{tmp_path}/direct/{what}"
+    _check_run(direct([*common, f"--output={ref}"], module=module, work=tmp_path), ref)
+    return ref
+
+
+def _on_flink_and_direct(flink, tmp_path, common: list[str], *, module: str, what: str, name: str, rows: int,
+                         flink_only: tuple[str, ...] = ()):
+    """Run a CLI with the `common` flags on `flink` and on the DirectRunner; returns (the Flink
+    run's process, its summary, its output prefix, the DirectRunner's output prefix)."""
+    out = f"{tmp_path}/flink/{what}"
+    proc = flink.run([*flink.flags(), *flink_only, *common, f"--output={out}"], name=name, rows=rows, module=module)
+    summary = _check_run(proc, out)
+    return proc, summary, out, _direct_output(tmp_path, common, module=module, what=what)
+
+
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_classify_on_flink_equals_the_direct_runner(fmt, embedded_flink, tmp_path):
     flink = embedded_flink
     source, ids = (csv_input if fmt == "csv" else parquet_input)(tmp_path)
     common = ["--task=support_tickets_head", f"--input={source}", "--id_column=ticket_id", "--eval_label_column=label"]
-    out = f"{tmp_path}/flink/labeled"
-    proc = flink.run([*flink.flags(), "--sdk_worker_parallelism=2", *common, f"--output={out}"],
-                     name=f"classify {fmt}", rows=len(ids), module="beam_prefix.pipelines.classify")
-    summary = _check_run(proc, out)
-    ref = f"{tmp_path}/direct/labeled"
-    _check_run(direct([*common, f"--output={ref}"], module="beam_prefix.pipelines.classify", work=tmp_path), ref)
+    proc, summary, out, ref = _on_flink_and_direct(
+        flink, tmp_path, common, module="beam_prefix.pipelines.classify", what="labeled", name=f"classify {fmt}",
+        rows=len(ids), flink_only=("--sdk_worker_parallelism=2",))
     _same_labels(_rows(out), _rows(ref))
     assert _failed(f"{tmp_path}/flink/failed") == _failed(f"{tmp_path}/direct/failed") != []
     # every input row in exactly one output, and the job's metrics (the summary) say the same
@@ -114,12 +128,8 @@ def test_extract_on_flink_equals_the_direct_runner(embedded_flink, tmp_path):
     flink = embedded_flink
     source, ids = csv_input(tmp_path, rows=8, bad=False)
     common = [f"--input={source}", "--id_column=ticket_id", "--task=ticket_fields"]
-    out = f"{tmp_path}/flink/extracted"
-    proc = flink.run([*flink.flags(), *common, f"--output={out}"], name="extract csv", rows=len(ids),
-                     module="beam_prefix.pipelines.extract")
-    _check_run(proc, out)
-    ref = f"{tmp_path}/direct/extracted"
-    _check_run(direct([*common, f"--output={ref}"], module="beam_prefix.pipelines.extract", work=tmp_path), ref)
+    _, _, out, ref = _on_flink_and_direct(flink, tmp_path, common, module="beam_prefix.pipelines.extract",
+                                          what="extracted", name="extract csv", rows=len(ids))
     a, b = _by_id(_rows(out)), _by_id(_rows(ref))
     assert a.keys() == b.keys() == set(ids)
     for key in a:  # greedy decoding: the same fields, token for token
@@ -177,8 +187,7 @@ def test_a_killed_sdk_worker_is_restarted_and_every_row_published_once(embedded_
     assert any(r["pid"] == killed["pid"] and r["status"] == -9 for r in reports)  # it did die mid-job
     labelled = _by_id(_rows(out))  # (raises on a row written twice)
     assert set(labelled) == set(ids) and summary["labeled"] == len(ids) and summary["failed"] == 0
-    ref = f"{tmp_path}/direct/labeled"
-    _check_run(direct([*common, f"--output={ref}"], module="beam_prefix.pipelines.classify", work=tmp_path), ref)
+    ref = _direct_output(tmp_path, common, module="beam_prefix.pipelines.classify", what="labeled")
     _same_labels(_rows(out), _rows(ref))
 
 
@@ -200,11 +209,7 @@ def test_classify_on_a_standalone_flink_cluster(cluster_flink, tmp_path):
     flink = cluster_flink
     source, ids = csv_input(tmp_path)
     common = ["--task=support_tickets_head", f"--input={source}", "--id_column=ticket_id"]
-    out = f"{tmp_path}/flink/labeled"
-    proc = flink.run([*flink.flags(), *common, f"--output={out}"], name="classify csv", rows=len(ids),
-                     module="beam_prefix.pipelines.classify")
-    _check_run(proc, out)
-    ref = f"{tmp_path}/direct/labeled"
-    _check_run(direct([*common, f"--output={ref}"], module="beam_prefix.pipelines.classify", work=tmp_path), ref)
+    _, _, out, ref = _on_flink_and_direct(flink, tmp_path, common, module="beam_prefix.pipelines.classify",
+                                          what="labeled", name="classify csv", rows=len(ids))
     _same_labels(_rows(out), _rows(ref))
     assert _failed(f"{tmp_path}/flink/failed") == _failed(f"{tmp_path}/direct/failed")
