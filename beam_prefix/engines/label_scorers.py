@@ -34,9 +34,9 @@ from typing import ClassVar, NamedTuple, Sequence
 
 import torch
 
-from beam_prefix.model.early_exit import check_layers
 from beam_prefix.model.forward import CallState, Step, forward, seated
 from beam_prefix.engines.label_search import Search, node_step
+from beam_prefix.engines.suffix_states import full_states, suffix_states
 from beam_prefix.tasks.labels import LabelTrie
 from beam_prefix.model.output_head import OutputHead
 from beam_prefix.model.prefix_cache import PrefixCache, WorkingCache, new_cache
@@ -90,10 +90,8 @@ class LabelScorer:
         ``[B, H * len(layers)]``. `pooling`: ``last``, the hidden states at the row's last
         suffix position; ``mean``, their mean over the row's suffix positions (its text
         and the template's closing tokens: the row's own tokens, never the prefix)."""
-        step = Step.suffixes(suffixes, prefix.length, self.device)
+        states, step = suffix_states(model, prefix, suffixes, working=working, layers=layers, device=self.device)
         with torch.inference_mode():
-            with seated(working, len(suffixes)) as cache:
-                states = forward(model, prefix, step, cache=cache, layers=layers)
             return pool(states, step, pooling)
 
     def full(self, model, prompt_ids: Sequence[int], *, suffix_length: int | None = None) -> torch.Tensor:
@@ -105,12 +103,10 @@ class LabelScorer:
                       pooling: str = "last", suffix_length: int | None = None) -> torch.Tensor:
         """The reference of `features` for one whole prompt, re-encoded with no cache:
         ``[H * len(layers)]`` (``mean`` pooling needs `suffix_length`)."""
-        layers = check_layers(model.config, layers)  # (an index past the depth would wrap around)
+        states = full_states(model, prompt_ids, layers, self.device)
         with torch.inference_mode():
-            states = model.base_model(input_ids=_ids(prompt_ids, self.device), use_cache=False,
-                                      output_hidden_states=True).hidden_states
-            last = [states[i][0, -1] for i in layers] if pooling in ("last", "last+mean") else []
-            mean = [states[i][0, -suffix_length:].mean(0) for i in layers] if pooling in ("mean", "last+mean") else []
+            last = [s[-1] for s in states] if pooling in ("last", "last+mean") else []
+            mean = [s[-suffix_length:].mean(0) for s in states] if pooling in ("mean", "last+mean") else []
             return torch.cat(last + mean, dim=-1)
 
     def exhaustive(self) -> "LabelScorer":
