@@ -12,7 +12,8 @@ extraction, the tokens it generates).
 
 The Beam steps are `beam_prefix.beam.classify_transform.ClassifyText`,
 `beam_prefix.beam.extract_transform.ExtractFields` and `beam_prefix.beam.embed_transform.EmbedText`;
-a task with ``scoring: head`` answers with a head fit by ``python -m beam_prefix.pipelines.fit``.
+a task with ``scoring: head`` answers with a head fit by ``python -m beam_prefix.pipelines.fit``
+(a classification task's `TrainedHead`, an extraction task's `ExtractionHead`).
 """
 
 from beam_prefix.engines.classifier import PrefixClassifier
@@ -21,11 +22,13 @@ from beam_prefix.errors import (BeamPrefixError, BoundaryError, ModelLoadError, 
                                 TaskSpecError, TextTooLongError, VerificationError)
 from beam_prefix.tasks.extract_task import ExtractExample, ExtractionSpec, Field, load_task
 from beam_prefix.engines.extractor import Extraction, Extractor
+from beam_prefix.engines.extraction_fitting import fit_extraction_head
 from beam_prefix.engines.head_fitting import fit_head
 from beam_prefix.engines.model_tuning import tune_model
 from beam_prefix.model.embedded_staging import stage_embedded_model
 from beam_prefix.tasks.shipped import shipped_tasks
 from beam_prefix.tasks.task import Example, Label, TaskSpec
+from beam_prefix.tasks.extraction_head import ExtractionHead
 from beam_prefix.tasks.trained_head import TrainedHead
 
 __version__ = "0.1.0"
@@ -35,4 +38,5 @@ __all__ = [
     "ExtractionSpec", "Field", "ExtractExample", "Extractor", "Extraction", "load_task",
     "BeamPrefixError", "TaskSpecError", "BoundaryError", "ModelLoadError", "RowError",
     "TextTooLongError", "VerificationError", "fit_head", "tune_model", "shipped_tasks", "stage_embedded_model",
+    "ExtractionHead", "fit_extraction_head",
 ]

@@ -9,6 +9,10 @@ per worker process, shared through `Shared`; the task's prefix built once per pr
 self-checked): rows are batched with `beam.BatchElements`, and each batch is decoded by an
 `Extractor`, `batch_size` rows at a time.
 
+A task with ``scoring: head`` runs the same way with no decoding: its extraction head reads
+the fields off each row's suffix pass (`engines.field_reading`), and ``raw_output`` holds
+the spans it read (and why one did not parse as its field's type, which leaves it null).
+
 Field columns are typed by the task: ``string``/``enum``/``date`` as str (dates ISO
 ``YYYY-MM-DD``), ``integer`` as int, ``number`` as float, ``boolean`` as bool; null where
 the model said null (nullable fields only). A row whose output did not close within

@@ -25,6 +25,11 @@ Task file format (``kind: extract``; a file without ``kind`` is a classification
     overflow: truncate
     version: "1"
 
+With labelled rows, ``scoring: head`` and ``head: FILE`` (relative to the task file) read
+the fields off the row's hidden states with a head fit by ``pipelines.fit``
+(`extraction_head.ExtractionHead`), no decoding; its span fields (``string``, ``number``,
+``integer``, ``date``) need ``required: false``, since the head may find no span.
+
 Field types: ``string`` (``max_length`` characters, default 200), ``integer`` and
 ``number`` (at most 15 digits either side of zero, so int64/float64 columns hold them
 exactly), ``boolean``, ``enum`` (``values``: strings), ``date`` (``YYYY-MM-DD``, years
@@ -44,11 +49,11 @@ import re
 from typing import Any, Mapping
 
 from beam_prefix.errors import TaskSpecError
-from beam_prefix.tasks.task import PromptTask, TaskSpec, _as_sequence, _short, validate_common
+from beam_prefix.tasks.task import PromptTask, TaskSpec, _as_sequence, _short, confined_head, validate_common
 from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.task_file import read_task_file, refuse_invisible, refuse_lookalikes
 
-__all__ = ["Field", "ExtractExample", "ExtractionSpec", "FIELD_TYPES", "load_task"]
+__all__ = ["Field", "ExtractExample", "ExtractionSpec", "FIELD_TYPES", "EXTRACT_SCORINGS", "load_task"]
 
 FIELD_TYPES = ("string", "integer", "number", "boolean", "enum", "date")
 # integers and numbers stay within 15 digits: int64 and float64 columns hold them exactly
@@ -58,7 +63,8 @@ _YEAR_FROM_1 = "^(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # a column name in Parquet, BigQuery and Beam
 _FIELD_KEYS = {"name", "type", "description", "values", "required", "nullable", "max_length"}
 _KNOWN_KEYS = {"kind", "name", "instructions", "fields", "examples", "suffix_template", "model",
-               "max_text_tokens", "overflow", "max_new_tokens", "version"}
+               "max_text_tokens", "overflow", "max_new_tokens", "version", "scoring", "head"}
+EXTRACT_SCORINGS = ("generate", "head")  # constrained decoding, or a head fit on labelled rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +169,11 @@ class ExtractionSpec(PromptTask):
         max_text_tokens: token budget for one row's text; overflow: `truncate` or `reject`.
         max_new_tokens: the most tokens generated per row.
         version: optional prompt version, in the fingerprint and on every output row.
+        scoring: ``generate`` (default: constrained decoding) or ``head`` (the fields read
+            off the row's hidden states by `head`, fit on labelled rows; no decoding).
+        head: with ``scoring: head``, the `extraction_head.ExtractionHead` or its file's path
+            (in a task file: relative to the file). Its span fields must be nullable (the
+            head may find no span).
     """
 
     instructions: str
@@ -175,6 +186,8 @@ class ExtractionSpec(PromptTask):
     overflow: str = "truncate"
     max_new_tokens: int = 128
     version: str | None = None
+    scoring: str = "generate"
+    head: Any = None
 
     kind = "extract"
 
@@ -194,6 +207,35 @@ class ExtractionSpec(PromptTask):
             raise TaskSpecError(f"max_new_tokens: expected an integer from 1 to 4096, got {_short(self.max_new_tokens)}")
         for example in examples:
             self.check_output(example.output, where=f"examples: output of example {example.text[:40]!r}")
+        self._validate_head()
+
+    def _validate_head(self) -> None:
+        """``scoring: head`` needs a head fit for exactly these fields, whose span fields are
+        nullable; a head needs ``scoring: head``."""
+        if self.scoring not in EXTRACT_SCORINGS:
+            raise TaskSpecError(f"scoring: an extraction task's scoring is one of {EXTRACT_SCORINGS}, "
+                                f"got {_short(self.scoring)}")
+        if self.head is None:
+            if self.scoring == "head":
+                raise TaskSpecError("scoring: head needs a head (head: FILE; fit one with python -m "
+                                    "beam_prefix.pipelines.fit --task THIS_TASK)")
+            return
+        if self.scoring != "head":
+            raise TaskSpecError(f"head: an extraction head is used with scoring: head, not {self.scoring!r}")
+        from beam_prefix.tasks.extraction_head import ExtractionHead, field_signature
+        from beam_prefix.tasks.span_tags import SPAN_TYPES
+
+        if isinstance(self.head, (str, os.PathLike)):
+            object.__setattr__(self, "head", ExtractionHead.load(self.head))
+        if not isinstance(self.head, ExtractionHead):
+            raise TaskSpecError(f"head: expected an extraction head file path, got {type(self.head).__name__}")
+        strict = [f.name for f in self.fields if f.type in SPAN_TYPES and not f.nullable]
+        if strict:
+            raise TaskSpecError(f"fields: {strict} are read from a span of the text, which a head may not find: "
+                                f"with scoring: head they need required: false")
+        if self.head.fields != field_signature(self.fields):
+            raise TaskSpecError(f"head {self.head.source or self.head.identity} was fit for fields {self.head.fields}, "
+                                f"the task has {field_signature(self.fields)}")
 
     @property
     def field_names(self) -> tuple[str, ...]:
@@ -245,8 +287,12 @@ class ExtractionSpec(PromptTask):
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, source: str = "task") -> "ExtractionSpec":
-        """Build a task from a parsed mapping (the YAML document)."""
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "task", base_dir: str | None = None) -> "ExtractionSpec":
+        """Build a task from a parsed mapping (the YAML document); a relative `head` path is
+        read from `base_dir` (the task file's directory), confined to it."""
+        if isinstance(data, Mapping) and isinstance(data.get("head"), str) and base_dir \
+                and "://" not in data["head"]:  # (gs://: as written)
+            data = {**data, "head": confined_head(data["head"], base_dir, source)}
         return cls._from_mapping(data, source, _KNOWN_KEYS, "fields", "an extraction task needs at least one field",
                                  ("examples",))
 
@@ -265,11 +311,11 @@ def load_task(source) -> TaskSpec | ExtractionSpec:
     kind = data.get("kind", "classify") if isinstance(data, Mapping) else "classify"
     if kind not in ("classify", "extract"):
         raise TaskSpecError(f"{where}: kind must be 'classify' or 'extract', got {_short(kind)}")
+    base_dir = os.path.dirname(os.path.abspath(path)) if path is not None else None
     if kind == "extract":
-        spec = ExtractionSpec.from_dict(data, source=where)
+        spec = ExtractionSpec.from_dict(data, source=where, base_dir=base_dir)
     else:
-        spec = TaskSpec.from_dict(data, source=where,
-                                  base_dir=os.path.dirname(os.path.abspath(path)) if path is not None else None)
+        spec = TaskSpec.from_dict(data, source=where, base_dir=base_dir)
     if path is not None and spec.name == "task":
         spec = spec.replace(name=os.path.splitext(os.path.basename(path))[0])
     return spec

@@ -173,6 +173,22 @@ class PromptLayout:
     def _span(self, text: str, continuation: str = "") -> str:
         return self._lead + text + self._tail + continuation
 
+    def text_offsets(self, enc: EncodedText) -> list[tuple[int, int]]:
+        """Each of the row's suffix tokens' character offsets into `enc.text`, leading
+        whitespace left out (`span_tags.trimmed`); ``(-1, -1)`` for the template's own
+        tokens. What a token-level head's spans are read back with."""
+        from beam_prefix.tasks.span_tags import trimmed
+
+        offsets = _tokenize(self.tokenizer, self._span(enc.text), add_special_tokens=False, split_special_tokens=True,
+                            return_offsets_mapping=True).offset_mapping
+        start, end = len(self._lead), len(self._lead) + len(enc.text)
+        mine = [(a - start, b - start) if a < end and b > start else (-1, -1)
+                for a, b in offsets[len(self._prefix_lead_ids):]]
+        mine += [(-1, -1)] * len(self._after_ids)
+        if len(mine) != len(enc.suffix_ids):  # (one tokenizer call gives both: a mismatch is a bug)
+            raise RuntimeError(f"{len(mine)} offsets for {len(enc.suffix_ids)} suffix tokens of {enc.text[:40]!r}")
+        return trimmed(mine, enc.text)
+
     def natural_ids(self, text: str) -> tuple[int, ...]:
         """The reference encoding of the whole prompt for `text` (no prefix split)."""
         return self._head_ids + self._encode_plain(self._span(text)) + self._after_ids

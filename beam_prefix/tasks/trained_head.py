@@ -36,7 +36,8 @@ from beam_prefix.model.half_precision import dtype_of
 from beam_prefix.model.loading import precision_of
 from beam_prefix.tasks.lexical_head import LexicalHead
 
-__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS", "EMBED_POOLINGS", "DTYPES", "dtype_for"]
+__all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS", "EMBED_POOLINGS", "DTYPES", "dtype_for",
+           "refuse_other_features"]
 
 HEAD_METADATA_KEY = "beam_prefix_head"
 _FORMAT = 1
@@ -94,6 +95,19 @@ def _validate(where: str, labels, layers, weight, bias, mean, std) -> None:
     if not bool((std > 0).all()):
         raise TaskSpecError(f"{where}: std holds {int((std <= 0).sum())} values <= 0 (features are divided by it); "
                             f"fit the head again (python -m beam_prefix.pipelines.fit)")
+
+
+def refuse_other_features(where: str, fit_on: str, given: str, *, task: str, model: str, differs: str) -> None:
+    """Refuse a head whose features (`fit_on`, a `feature_fingerprint`) are not the ones the
+    task and model give (`given`); `differs`: what may differ, for the message.
+
+    Raises:
+        TaskSpecError: naming both fingerprints, the task and the model.
+    """
+    if given != fit_on:
+        raise TaskSpecError(f"{where} was fit on features {fit_on}, task {task!r} on model {model} gives features "
+                            f"{given} ({differs}): fit the head again for this task and model "
+                            f"(python -m beam_prefix.pipelines.fit)")
 
 
 def dtype_for(heads, dtype: str | None) -> str:
@@ -232,10 +246,8 @@ class TrainedHead:
         if tuple(labels) != self.labels:
             raise TaskSpecError(f"{where} was fit for labels {list(self.labels)[:8]}... ({len(self.labels)}), "
                                 f"task {task!r} has {list(labels)[:8]}... ({len(labels)})")
-        if fingerprint != self.fingerprint:
-            raise TaskSpecError(f"{where} was fit on features {self.fingerprint}, task {task!r} on model {model} "
-                                f"gives features {fingerprint} (another prompt, model, dtype or layers): fit the head "
-                                f"again for this task and model (python -m beam_prefix.pipelines.fit)")
+        refuse_other_features(where, self.fingerprint, fingerprint, task=task, model=model,
+                              differs="another prompt, model, dtype or layers")
 
     # -- the file ---------------------------------------------------------------------------
 
