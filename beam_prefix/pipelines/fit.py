@@ -38,7 +38,7 @@ from beam_prefix.engines.head_fitting import check_labels, fit_head_from_feature
 from beam_prefix.model.loading import EMBEDDED, precision_of
 from beam_prefix.tasks.shipped import resolve_task
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
-from beam_prefix.pipelines import bigquery_endpoint, fit_search
+from beam_prefix.pipelines import bigquery_endpoint, fit_extraction, fit_search
 from beam_prefix.pipelines.fit_io import FeatureStaging, write_head
 from beam_prefix.pipelines.launch import exit_process, in_process_main, invoked_as, run_to_end
 from beam_prefix.pipelines.local_rows import local_columns, local_paths
@@ -128,7 +128,14 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     refuse_unknown_flags(argv, (StepOptions, FitOptions), invoked_as("fit"))
     options = PipelineOptions(argv)
     o, f = options.view_as(StepOptions), options.view_as(FitOptions)
-    if not o.output or not f.label_column:
+    task_file = resolve_task(o.task or "support_tickets")
+    extraction = fit_extraction.is_extraction(task_file)
+    if extraction:
+        fit_extraction.refuse_classification_flags(f)
+        if not o.output or not o.input:
+            raise ValueError("pipelines.fit on an extraction task needs --input (labelled JSONL rows) and --output "
+                             "(the head file to write)")
+    elif not o.output or not f.label_column:
         raise ValueError("pipelines.fit needs --output (the head file to write) and --label_column")
     if o.output.endswith("/") or ("://" not in o.output and os.path.isdir(o.output)):
         raise ValueError(f"--output={o.output!r} is a directory; give the head file's path, e.g. support.head")
@@ -143,13 +150,12 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     # no feature flag: the features are chosen by folds (pipelines.fit_search), in the
     # precision --dtype names (it changes each candidate's cost, not which are compared)
     search = f.layers is None and f.pooling is None
-    if f.prefer is not None and not search:
+    if f.prefer is not None and not search and not extraction:
         raise ValueError(f"--prefer {f.prefer} chooses among candidate features by folds, and --layers/--pooling "
                          f"name the features: give one or the other")
     f.prefer = f.prefer or "balanced"
     o.dtype = o.dtype or "float32"  # (a fit makes the head: no head's precision to follow)
     layers = None if search else parse_layers(f.layers or "-1")
-    task_file = resolve_task(o.task or "support_tickets")
     # the head this run writes may replace the one the task names (not read here), never
     # the input, the task file or the model
     outputs = [Output("--output", o.output)] + ([Output("--summary_output", o.summary_output)]
@@ -159,6 +165,8 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     refuse_overlap(outputs, run_reads(options, "fit", task_file=task_file, with_head=False))
     with contextlib.ExitStack() as held:
         hold_outputs(held, outputs)  # another fit of the same head would replace this one's
+        if extraction:  # (its states are computed here, not on workers: nothing to stage)
+            return fit_extraction.fit_extraction(options, task_file)
         staged = stage_for_workers(options, run_models(options, "fit", task_file=task_file))
         return _fit(options, task_file, layers, test_pipeline, staged)
 
@@ -297,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _format(s: dict) -> str:
+    if s.get("kind") == "extract":
+        return fit_extraction.format_summary(s)
     lines = [fit_search.format_table(s["candidates"], s["chosen"])] if s.get("candidates") else []
     lines += [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']}, "
               f"{s.get('pooling', 'last')} pooling)",
