@@ -75,8 +75,22 @@ def test_extraction_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     assert report["identical"] == {"A": True, "B": True}  # the same tokens from all three contenders
     assert set(report["ms_per_row"]) == {"A", "B", "C"} and report["generated_tokens_per_row"] > 0
     assert "model: decode steps" in report["c_time_split_s"]
-    assert report["accuracy"]["rows"] == 40 and set(report["accuracy"]["fields"]) == {
+    assert report["accuracy"]["rows"] == 166 and set(report["accuracy"]["fields"]) == {
         "product_area", "order_id", "amount", "urgency", "refund_requested"}
+
+
+@pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow
+def test_extraction_heads_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
+    pytest.importorskip("pycrfsuite")  # the `crf` extra, which make bench-extraction installs
+    from benchmarks import extraction_heads
+
+    report = extraction_heads.run(rows_per_intent=20, timed_rows=3, rounds=1, intents=["SearchCreativeWork"],
+                                  train_limit=40, model=tiny_dir, out_dir=str(tmp_path))
+    assert json.loads((tmp_path / "extraction_heads.json").read_text())["test_rows"] == 100
+    assert set(report["micro_f1"]) == {"head, 70", "head, all", "CRF, 70", "CRF, all", "decoding"}
+    assert all(0 <= v <= 1 for v in report["micro_f1"].values())
+    assert report["tickets"]["held_out_rows"] == 86 and report["tickets"]["train_rows"] == 80
+    assert "| all five fields |" in (tmp_path / "extraction_heads.md").read_text()
 
 
 @pytest.mark.slow  # the benchmark harness, not an exactness test: make test-slow

@@ -35,7 +35,7 @@ def _shipped_dir(folder: str) -> pathlib.Path:
 # ``shipped/tasks`` (by a user, or a run) never becomes a name every user's runs resolve
 # (a test holds the list to the files the package ships).
 SHIPPED_TASKS = ("banking77", "banking77_fast_head", "banking77_head", "support_tickets", "support_tickets_head",
-                 "ticket_fields")
+                 "ticket_fields", "ticket_fields_head")
 
 
 def shipped_tasks() -> list[str]:
