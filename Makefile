@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BQ_STAMP := $(BQ_VENV)/.installed
 
-.PHONY: install test test-slow test-compat test-flink flink-venv docs docs-build demo bench bench-peers bench-baselines bench-gpu bench-precision clean
+.PHONY: install test test-slow test-compat test-flink flink-venv docs docs-build demo bench bench-peers bench-baselines bench-extraction bench-gpu bench-precision clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -129,6 +129,12 @@ BASELINES_ARGS ?= --contenders tfidf,minilm,ours_early,ours_default,ours_default
 bench-baselines: $(STAMP)
 	$(PY) -c "import sentence_transformers, all_minilm_l6_v2" 2>/dev/null || $(PY) -m pip install --quiet -e '.[test,baselines]'
 	$(PY) -m benchmarks.baselines $(BASELINES_ARGS)
+
+# extraction heads against a CRF and constrained decoding on SNIPS slots (the `crf` extra):
+# benchmarks/results/extraction_heads.{json,md}, the table in docs/extraction.md
+bench-extraction: $(STAMP)
+	$(PY) -c "import pycrfsuite" 2>/dev/null || $(PY) -m pip install --quiet -e '.[test,crf]'
+	$(PY) -m benchmarks.extraction_heads
 
 # the engine on a CUDA device: rows/s, busy share, launches and host syncs per batch (skipped without one)
 bench-gpu: $(STAMP)

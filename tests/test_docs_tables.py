@@ -34,3 +34,15 @@ def test_the_chart_is_drawn_from_a_report(tmp_path):
     baselines.chart(report, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (ROOT / "docs" / "assets" / "accuracy_cost.png").exists()
+
+
+def test_the_extraction_tables_are_the_benchmark_run():
+    """docs/extraction.md's SNIPS, anchor and ticket tables are `make bench-extraction`'s run."""
+    from benchmarks import extraction_heads
+
+    text = (ROOT / "docs" / "extraction.md").read_text(encoding="utf-8")
+    found = dict(TABLE.findall(text))
+    assert "extraction_heads" in found, "docs/extraction.md has no extraction_heads table"
+    report = json.loads((ROOT / "benchmarks" / "results" / "extraction_heads.json").read_text(encoding="utf-8"))
+    rows = [line for line in found["extraction_heads"].splitlines() if line.startswith("|")]
+    assert rows == [line for line in extraction_heads._markdown(report).splitlines() if line.startswith("|")]
