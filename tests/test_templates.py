@@ -138,7 +138,8 @@ def _cli_accepts_task(kind: str, value: str) -> bool:
             extraction_task(PipelineOptions([f"--task={value}"]))
         elif kind == "classify":
             classify_transform(PipelineOptions([f"--task={value}"]))
-        else:  # fit reads the task as a classification task (pipelines.options.task_without_head)
+        else:  # the fit template fits classification heads (it requires label_column); an
+            # extraction head is fit with the CLI from labelled JSONL (pipelines.fit_extraction)
             TaskSpec.from_yaml(value)
     except ValueError:
         return False

