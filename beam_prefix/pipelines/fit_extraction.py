@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 from apache_beam.io.filesystems import FileSystems
@@ -93,8 +94,6 @@ def fit_extraction(options: PipelineOptions, task_file: str) -> dict:
         data = {k: v for k, v in data.items() if k != "head"} | {"scoring": "generate"}
     task = ExtractionSpec.from_dict(data, source=f"task file {task_file!r}")
     if task.name == "task":
-        import os
-
         task = task.replace(name=os.path.splitext(os.path.basename(task_file))[0])
     rows = read_labelled(o.input)
     start = time.perf_counter()
