@@ -40,7 +40,7 @@ from beam_prefix.engines.feature_search import candidates as head_candidates
 from beam_prefix.engines.field_reading import pooled
 from beam_prefix.engines.head_fitting import fit_head_from_features
 from beam_prefix.model.half_precision import dtype_of, precision_name
-from beam_prefix.tasks.extraction_head import ExtractionHead, SpanTagger, field_signature
+from beam_prefix.tasks.extraction_head import ExtractionHead, SpanTagger, field_signature, window_features
 from beam_prefix.tasks.span_tags import SPAN_TYPES, TagSet, best_path, spans_of, token_tags
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
@@ -203,18 +203,20 @@ def fit_extraction_head(extractor, rows: Sequence[Mapping[str, Any]], *, folds: 
             [encoded[i].text for i in usable], every, tag_candidates, tuple(window), folds, search_rows)
         metrics["tagger"] = tagger_metrics
     field_heads = {}
+    pooled_by = {c: np.stack([pooled([s[every.index(i)] for i in c.layers], c.pooling).numpy() for s in states])
+                 for c in head_found}  # (once per candidate, whichever fields read it)
     for field in choice_fields:
         y = [r.choices[field.name] for r in labelled]
         values = ["false", "true"] if field.type == "boolean" else list(field.values)
-        labels = [v for v in values if v in set(y)]  # a value no row has: the head cannot answer it
+        seen = set(y)
+        labels = [v for v in values if v in seen]  # a value no row has: the head cannot answer it
         if len(labels) < 2:
             raise ValueError(f"field {field.name!r}: every labelled row has the value {y[0]!r}; a head learns to "
                              f"choose between two values at least (add rows with others)")
         spec = TaskSpec(instructions="", labels=labels, name=f"{task.name}.{field.name}")
         best = None
         for c in head_found:
-            x = np.stack([pooled([s[every.index(i)] for i in c.layers], c.pooling).numpy() for s in states])
-            head = fit_head_from_features(x, y, [text_hash(r.text) for r in labelled], spec, layers=c.layers,
+            head = fit_head_from_features(pooled_by[c], y, [text_hash(r.text) for r in labelled], spec, layers=c.layers,
                                           fingerprint=feature_fingerprint(fingerprint, precision, c.layers, c.pooling),
                                           folds=folds, pooling=c.pooling, dtype=dtype_of(precision))
             score = head.metrics.get("kfold_accuracy") or 0.0
@@ -232,11 +234,9 @@ def fit_extraction_head(extractor, rows: Sequence[Mapping[str, Any]], *, folds: 
 
 def _token_data(tags: TagSet, states, offsets, spans, every, layers, window):
     """Per row: the tagger's token features ``[N, F]`` (numpy), gold tags and text mask."""
-    probe = SpanTagger(fields=tags.fields, layers=layers, window=window, weight=torch.zeros(tags.size, 1),
-                       bias=torch.zeros(tags.size), mean=torch.zeros(1), std=torch.ones(1))
     out = []
     for s, o, sp in zip(states, offsets, spans):
-        x = probe.features([s[every.index(i)] for i in layers]).numpy()
+        x = window_features([s[every.index(i)] for i in layers], window).numpy()
         out.append((x, np.array(token_tags(o, sp, tags)), np.array([a >= 0 for a, _ in o])))
     return out
 

@@ -37,7 +37,7 @@ from beam_prefix.tasks.span_tags import SPAN_TYPES, TagSet
 from beam_prefix.tasks.trained_head import (DTYPES, TrainedHead, _check_regular, _copy_remote, feature_fingerprint,
                                             refuse_other_features, text_hash)
 
-__all__ = ["ExtractionHead", "SpanTagger", "EXTRACTION_HEAD_KEY", "field_signature"]
+__all__ = ["ExtractionHead", "SpanTagger", "EXTRACTION_HEAD_KEY", "field_signature", "window_features"]
 
 EXTRACTION_HEAD_KEY = "beam_prefix_extraction_head"
 _FORMAT = 1
@@ -46,6 +46,23 @@ _FORMAT = 1
 def field_signature(fields) -> list[list]:
     """What a head must agree with in a task's fields: name, type and enum values, in order."""
     return [[f.name, f.type, list(f.values)] for f in fields]
+
+
+def window_features(states: Sequence[torch.Tensor], window: Sequence[int]) -> torch.Tensor:
+    """One row's token features ``[N, H * len(states) * len(window)]``: for each of its
+    states ``[N, H]`` (a layer's), each token's own joined with those `window` tokens away
+    (``-1`` the previous one; zeros past either end of the row's suffix)."""
+    parts = []
+    for s in states:
+        n = s.shape[0]
+        for shift in window:
+            moved = torch.zeros_like(s)
+            if shift >= 0:
+                moved[:max(n - shift, 0)] = s[shift:]
+            else:
+                moved[-shift:] = s[:n + shift]
+            parts.append(moved)
+    return torch.cat(parts, dim=-1)
 
 
 class SpanTagger:
@@ -78,17 +95,7 @@ class SpanTagger:
 
     def features(self, states: Sequence[torch.Tensor]) -> torch.Tensor:
         """One row's token features ``[N, F]`` from its states at `layers`, ``[N, H]`` each."""
-        parts = []
-        for s in states:
-            n = s.shape[0]
-            for shift in self.window:
-                moved = torch.zeros_like(s)
-                if shift >= 0:
-                    moved[:max(n - shift, 0)] = s[shift:]
-                else:
-                    moved[-shift:] = s[:n + shift]
-                parts.append(moved)
-        return torch.cat(parts, dim=-1)
+        return window_features(states, self.window)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """``[N, F]`` token features -> ``[N, T]`` tag logits (fp32)."""
