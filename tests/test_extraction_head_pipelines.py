@@ -110,3 +110,33 @@ def test_the_beam_yaml_extraction_pipeline_runs_a_head_task(fitted, tiny_dir, tm
     assert sorted(r["ticket_id"] for r in rows) == ["T0", "T1", "T2"]
     for r in rows:
         assert r["raw_output"] == reference[r["text"]].raw_output and r["area"] == reference[r["text"]].values["area"]
+
+
+def test_run_inference_extracts_with_the_head_and_bad_texts_fail_alone(fitted, tiny_dir):
+    from apache_beam.ml.inference.base import RunInference
+
+    from beam_prefix.handler import KeyedPrefixCachedModelHandler, PrefixCachedModelHandler
+
+    task_file, _ = fitted
+    texts = [r["text"] for r in ticket_rows(6, seed=6)]
+    ex = Extractor(task=load_task(task_file), loaded=load_model(tiny_dir), verify=False)
+    expected = [(t, json.dumps(e.values, sort_keys=True)) for t, e in zip(texts, ex.extract_full(texts))]
+    with TestPipeline() as p:
+        main, dlq = (p | beam.Create(texts + [None])
+                     | RunInference(PrefixCachedModelHandler(task=task_file, model=tiny_dir, batch_size=4))
+                     .with_exception_handling())
+        assert_that(main | beam.Map(lambda r: (r.example, json.dumps(r.inference.values, sort_keys=True))),
+                    equal_to(expected), label="head answers")
+        assert_that(dlq.failed_preprocessing[0] | beam.Map(lambda e: e[1][0].__name__), equal_to(["RowError"]),
+                    label="bad text alone")
+        keyed = (p | "keyed" >> beam.Create([(f"k{i}", t) for i, t in enumerate(texts)])
+                 | "keyed RI" >> RunInference(KeyedPrefixCachedModelHandler(task=task_file, model=tiny_dir))
+                 | beam.MapTuple(lambda k, r: (r.example, json.dumps(r.inference.values, sort_keys=True))))
+        assert_that(keyed, equal_to(expected), label="keyed")
+
+
+def test_run_inference_refuses_a_classification_suffix_pass_for_extraction(fitted):
+    from beam_prefix.handler import PrefixCachedModelHandler
+
+    with pytest.raises(ValueError, match="for classification tasks"):
+        PrefixCachedModelHandler(task=fitted[0], suffix_pass="buckets")

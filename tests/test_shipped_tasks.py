@@ -53,6 +53,8 @@ def test_a_name_is_the_shipped_file_in_every_reader_of_a_task(tiny_dir):
     embed_task = EmbedText("support_tickets", model=tiny_dir).config.task  # (features: no calibration)
     assert embed_task == TaskSpec.from_yaml(SHIPPED / "support_tickets.yaml").replace(calibration=False)
     assert PrefixCachedModelHandler("support_tickets", model=tiny_dir)._task.labels == spec.labels
+    served = PrefixCachedModelHandler("ticket_fields_head")._task
+    assert served.head.identity == load_task(SHIPPED / "ticket_fields_head.yaml").head.identity
     clf = PrefixClassifier.load("support_tickets", model=tiny_dir, verify=False)
     assert clf.task == TaskSpec.from_yaml(SHIPPED / "support_tickets.yaml")
     assert clf.classify(TEXTS[:2])[0].label in {label.name for label in spec.labels}

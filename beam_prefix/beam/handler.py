@@ -1,14 +1,17 @@
-"""`PrefixCachedModelHandler`: the same cached scoring behind Beam's `RunInference`.
+"""`PrefixCachedModelHandler`: the same cached engines behind Beam's `RunInference`.
 
     from apache_beam.ml.inference.base import RunInference
-    texts | RunInference(PrefixCachedModelHandler(task=task, model="embedded"))
+    texts | RunInference(PrefixCachedModelHandler(task="support_tickets", model="embedded"))
 
-`load_model` loads the model and builds the prefix cache; RunInference shares the result
-between the threads of a worker (or, with ``large_model=True`` / ``model_copies``, between
-its processes through `MultiProcessShared`). The loaded object is a `ServedClassifier`:
-`classify` may be called from many threads at once, each classifying through its own fork
+A classification task's inferences are `Prediction`s; an extraction task's (``kind:
+extract``, decoded or read by a trained head) are `Extraction`s, from the same engine
+`ExtractFields` runs. `load_model` loads the model and builds the prefix cache;
+RunInference shares the result between the threads of a worker (or, with
+``large_model=True`` / ``model_copies``, between its processes through
+`MultiProcessShared`). The loaded object is a `ServedClassifier` or `ServedExtractor`:
+`infer` may be called from many threads at once, each running through its own fork
 (shared weights and prefix; with the expanded engine its own working cache), and it
-pickles nothing but texts and predictions when it lives in another process.
+pickles nothing but texts and results when it lives in another process.
 
 Bad texts fail alone: the handler's preprocessing step validates and encodes each text
 (its own tokenizer, no model), so under ``RunInference(...).with_exception_handling()`` a
@@ -36,14 +39,16 @@ from typing import Any, Iterable, Optional, Sequence
 from apache_beam.ml.inference.base import KeyedModelHandler, MaybeKeyedModelHandler, ModelHandler, PredictionResult
 
 from beam_prefix.engines.classifier import PrefixClassifier
+from beam_prefix.engines.extractor import Extractor
 from beam_prefix.model.loading import EMBEDDED, check_device, load_tokenizer
 from beam_prefix.model.suffix_graphs import check_suffix_pass
+from beam_prefix.tasks.extract_task import ExtractionSpec, load_task
 from beam_prefix.tasks.prompt import EncodedText, PromptLayout
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.trained_head import dtype_for
 
-__all__ = ["PrefixCachedModelHandler", "KeyedPrefixCachedModelHandler", "ServedClassifier", "TextValidator",
-           "ValidText"]
+__all__ = ["PrefixCachedModelHandler", "KeyedPrefixCachedModelHandler", "ServedClassifier", "ServedExtractor",
+           "TextValidator", "ValidText"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,36 +61,65 @@ class ValidText:
     key: str
 
 
-def _key(model: str, task: TaskSpec) -> str:
+def _key(model: str, task: TaskSpec | ExtractionSpec) -> str:
     return hashlib.sha256(f"{model}|{task!r}".encode("utf-8")).hexdigest()[:16]
 
 
-class ServedClassifier:
-    """What `PrefixCachedModelHandler.load_model` returns: one base classifier, classified
-    through per-thread forks. Only methods cross a process boundary (a proxy exposes no
-    attributes), so the model id is a method too."""
+class _Served:
+    """One base engine, run through per-thread forks. Only methods cross a process boundary
+    (a proxy exposes no attributes), so the model id is a method too."""
 
-    def __init__(self, classifier: PrefixClassifier, key: str = ""):
-        self.classifier = classifier
+    def __init__(self, engine, key: str = ""):
+        self.engine = engine
         self._key = key  # the (model, task) whose encodings `ValidText`s may carry here
         self._local = threading.local()
 
-    def _fork(self) -> PrefixClassifier:
+    def _fork(self):
         fork = getattr(self._local, "fork", None)
         if fork is None:
-            fork = self._local.fork = self.classifier.fork()
+            fork = self._local.fork = self.engine.fork()
         return fork
 
-    def classify(self, texts: Sequence):
-        """Texts (or `ValidText`s) in order; a `ValidText` encoded for this model and task is
+    def _encoded(self, fork, texts: Sequence) -> list[EncodedText]:
+        """Texts (or `ValidText`s) encoded; a `ValidText` encoded for this model and task is
         not tokenized again."""
-        fork = self._fork()
-        encoded = [(t.encoded if t.key == self._key else fork.encode(t.text)) if isinstance(t, ValidText)
-                   else fork.encode(t) for t in texts]
-        return fork.classify_encoded(encoded)
+        return [(t.encoded if t.key == self._key else fork.encode(t.text)) if isinstance(t, ValidText)
+                else fork.encode(t) for t in texts]
+
+    def infer(self, texts: Sequence) -> list:
+        """The engine's results for texts (or `ValidText`s), in order."""
+        raise NotImplementedError
 
     def model_id(self) -> str:
-        return self.classifier.model_id
+        return self.engine.model_id
+
+
+class ServedClassifier(_Served):
+    """What `PrefixCachedModelHandler.load_model` returns for a classification task."""
+
+    @property
+    def classifier(self) -> PrefixClassifier:
+        return self.engine
+
+    def infer(self, texts: Sequence):
+        fork = self._fork()
+        return fork.classify_encoded(self._encoded(fork, texts))
+
+    classify = infer
+
+
+class ServedExtractor(_Served):
+    """What `PrefixCachedModelHandler.load_model` returns for an extraction task."""
+
+    @property
+    def extractor(self) -> Extractor:
+        return self.engine
+
+    def infer(self, texts: Sequence):
+        fork = self._fork()
+        return fork.extract_encoded(self._encoded(fork, texts))
+
+    extract = infer
 
 
 # per process: the prompt layout each (task, model) validates texts with
@@ -120,11 +154,12 @@ class TextValidator:
 
 
 class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassifier]):
-    """A `ModelHandler` over `PrefixClassifier`; examples are texts, inferences `Prediction`s.
+    """A `ModelHandler` over `PrefixClassifier` or `Extractor`; examples are texts,
+    inferences `Prediction`s (classification) or `Extraction`s (extraction).
 
     Args:
-        task: a shipped task's name, a task YAML file's path or a `TaskSpec` (read at
-            construction).
+        task: a shipped task's name (``support_tickets``, ``ticket_fields_head``, ...), a
+            task YAML file's path, a `TaskSpec` or an `ExtractionSpec` (read at construction).
         model: model spec (default: the task's, else ``embedded``); RunInference's model
             updates (`update_model_path`) replace it.
         dtype: as for `PrefixClassifier.load` (default: the precision of the task's head,
@@ -133,8 +168,9 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
         device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.
         suffix_pass: ``packed`` (default), ``buckets`` or ``graphs`` (CUDA graphs; not with
             ``device="cpu"``; with ``auto`` on a machine without a GPU, packed): docs/scale.md,
-            "GPU workers".
-        batch_size: rows per forward pass; also the default `max_batch_size`.
+            "GPU workers". Classification only: an extraction task takes ``packed``.
+        batch_size: rows per forward pass (extraction: rows decoded together); also the
+            default `max_batch_size`.
         verify: cached-vs-full self-check at load.
         validate_texts: validate each text in a preprocessing step (see the module doc).
         min_batch_size: Beam's `ModelHandler` argument: the smallest batch.
@@ -166,7 +202,10 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
             _check_batch_weight()
         self._env_vars = dict(env_vars or {})
         self._large_model, self._copies = large_model, model_copies
-        self._task = task if isinstance(task, TaskSpec) else TaskSpec.from_yaml(task)
+        self._task = load_task(task)
+        if isinstance(self._task, ExtractionSpec) and suffix_pass != "packed":
+            raise ValueError(f"suffix_pass={suffix_pass!r} is for classification tasks; task {self._task.name!r} "
+                             f"extracts fields: leave suffix_pass out")
         self._model = model or self._task.model or EMBEDDED
         dtype = dtype_for([self._task.head], dtype)  # the head's own, else float32
         check_device(device, dtype)
@@ -185,11 +224,14 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
     def model_copies(self) -> int:
         return self._copies or 1
 
-    def load_model(self) -> ServedClassifier:
-        return ServedClassifier(PrefixClassifier.load(
-            self._task, self._model, dtype=self._dtype, threads=self._threads, device=self._device,
-            batch_size=self._batch_size, verify=self._verify, suffix_pass=self._suffix_pass),
-            key=_key(self._model, self._task))
+    def load_model(self) -> ServedClassifier | ServedExtractor:
+        common = {"dtype": self._dtype, "threads": self._threads, "device": self._device,
+                  "batch_size": self._batch_size, "verify": self._verify}
+        key = _key(self._model, self._task)
+        if isinstance(self._task, ExtractionSpec):
+            return ServedExtractor(Extractor.load(self._task, self._model, **common), key=key)
+        return ServedClassifier(PrefixClassifier.load(self._task, self._model, suffix_pass=self._suffix_pass,
+                                                      **common), key=key)
 
     def update_model_path(self, model_path: Optional[str] = None):
         """Use `model_path` from the next `load_model` on (RunInference's model updates); the
@@ -210,10 +252,10 @@ class PrefixCachedModelHandler(ModelHandler[str, PredictionResult, ServedClassif
                             "PrefixCachedModelHandler(..., validate_texts=False) inside Beam's wrapper")
         return [TextValidator(self._task, self._model)] if self._validate_texts else []
 
-    def run_inference(self, batch: Sequence[str], model: ServedClassifier,
+    def run_inference(self, batch: Sequence[str], model: ServedClassifier | ServedExtractor,
                       inference_args: Optional[dict[str, Any]] = None) -> Iterable[PredictionResult]:
         self.validate_inference_args(inference_args)
-        predictions = model.classify(list(batch))
+        predictions = model.infer(list(batch))
         model_id = model.model_id()
         return [PredictionResult(example.text if isinstance(example, ValidText) else example, pred, model_id=model_id)
                 for example, pred in zip(batch, predictions)]
