@@ -113,7 +113,51 @@ def _extraction_readme(d: dict) -> tuple:
             f"held-out tickets against {_pct(t['decoding']['all_fields_exact'])} decoded",)
 
 
+def _ms(ms: float) -> str:
+    return f"{ms:.0f}" if ms >= 1000 else f"{ms:.1f}"
+
+
+def _speedup(d: dict) -> tuple:
+    """docs/benchmarks.md's two `make bench` tables and the figures under them."""
+    rows = tuple(f"| {_ms(c['ms_per_row'])} | {c['speedup_vs_a']:.1f}x | {100 * c['agreement']:.1f}% |"
+                 for w in ("support", "banking77") for c in d["workloads"][w]["contenders"])
+    support = d["workloads"]["support"]
+    sliding = {(r["engine"], r["batch"]): f"{r['ms_per_row']:.0f}" for r in d["sliding"]["runs"]}
+    return rows + (f"C is {support['best_c']['speedup_vs_a']:.1f}x A and {support['c_over_b']:.1f}x B",
+                   f"at {support['floor']['c_percent_of_floor']:.0f}% of the FLOP floor "
+                   f"({support['floor']['floor_ms_per_row']:.1f} ms/row at a measured "
+                   f"{support['floor']['matmul_gflops']:.0f} GFLOP/s",
+                   f"D/C throughput {support['d_over_c_throughput']:.2f}",
+                   "shared-prefix attention " + " / ".join(sliding["shared", b] for b in (1, 8, 32)),
+                   "the expanded working cache " + " / ".join(sliding["expanded", b] for b in (1, 8, 32)))
+
+
+def _peers(d: dict) -> tuple:
+    """docs/benchmarks.md's llama.cpp table: each contender's ms/row, ratio, GFLOP/s, agreement."""
+    def agreement(x):
+        return "100%" if x == 1.0 else f"{100 * x:.1f}%"
+    return tuple(f"| {c['ms_per_row']:.1f} | {c['c_speed_vs']:.2f}x | {c['gflops']:.0f} | "
+                 f"{agreement(c['agreement_with_c'])} |" for c in d["contenders"].values())
+
+
+def _extraction_speed(d: dict) -> tuple:
+    """docs/benchmarks.md's extraction table and C's time split."""
+    ms, rounds, tps = d["ms_per_row"], d["rounds_ms_per_row"], d["generated_tokens_per_s"]
+    split = d["c_time_split_s"]
+    return (f"| {ms['A']:,.0f} ({rounds['A'][0]:,.0f}; {rounds['A'][1]:,.0f}) | {tps['A']:.1f} | "
+            f"{d['c_over_a']:.1f}x faster",
+            f"| {ms['B']:,.0f} ({rounds['B'][0]:,.0f}; {rounds['B'][1]:,.0f}) | {tps['B']:.1f} | "
+            f"{d['c_over_b']:.1f}x faster",
+            f"| {ms['C']:.1f} ({rounds['C'][0]:.0f}; {rounds['C'][1]:.0f}) | {tps['C']:.1f} |",
+            f"{d['generated_tokens_per_row']:.1f} tokens generated per row",
+            f"C's {split['total']:.1f} s for the {d['rows']} rows",
+            f"the suffix pass {split['model: suffix pass']:.1f} s, the decode steps {split['model: decode steps']:.1f} s")
+
+
 QUOTES = [
+    ("docs/benchmarks.md", "speedup", _speedup),
+    ("docs/benchmarks.md", "peers", _peers),
+    ("docs/benchmarks.md", "extraction", _extraction_speed),
     ("docs/extraction.md", "extraction_heads", _extraction_heads),
     ("README.md", "extraction_heads", _extraction_readme),
     ("docs/scale.md", "flink", _sizing),
@@ -129,7 +173,8 @@ QUOTES = [
 
 @pytest.mark.parametrize("page, name, quote", QUOTES, ids=[f"{p}:{n}:{q.__name__}" for p, n, q in QUOTES])
 def test_a_figure_quoted_in_prose_is_its_results_files(page, name, quote):
-    text = " ".join((ROOT / page).read_text(encoding="utf-8").split())  # (as wrapped anywhere)
+    # (as wrapped anywhere, bold or not)
+    text = " ".join((ROOT / page).read_text(encoding="utf-8").replace("**", "").split())
     for fragment in quote(_results(name)):
         fragment = " ".join(fragment.split())
         assert fragment in text, f"{page} does not say {fragment!r} (benchmarks/results/{name}.json)"
