@@ -10,7 +10,8 @@ fields), so each gets its own head, as the benchmark's engines do. Contenders, o
 same rows in one run:
 
 - **head, 70 rows per intent** and **head, whole training set**: `fit_extraction_head`
-  on the embedded model (span tagger's layers and C chosen by folds), then
+  on the embedded model (span tagger's layers, classifier and transition weight chosen
+  by folds), then
   `Extractor` with ``scoring: head`` (one suffix pass per row, no decoding);
 - **CRF, 70 rows** and **CRF, whole set**: a linear-chain CRF on word features
   (python-crfsuite; the word, its shape, prefixes and suffixes, two words either side);

@@ -6,7 +6,7 @@ span tagger should read, judged on SNIPS *training* rows only.
 Per intent, the tagger (`extraction_fitting`'s logistic regression over each token's
 windowed states, C=0.1) is fit on `rows_per_intent` random training rows (seed 0) and scored
 (span F1, as `benchmarks.extraction_heads` scores) on `validation_rows` other training rows;
-the test rows are never read. This chose `extraction_fitting.WINDOW` and
+the test rows are never read. This chose `tagger_fitting.WINDOW` and
 `tagger_candidates`; `benchmarks/results/extraction_survey.json`, cited by docs/history.md.
 """
 
@@ -29,8 +29,9 @@ WINDOWS = ((0,), (0, 1), (0, 1, 2), (-1, 0, 1), (-1, 0, 1, 2))
 def run(rows_per_intent: int = 70, validation_rows: int = 300, seed: int = 0) -> dict:
     from sklearn.linear_model import LogisticRegression
 
-    from beam_prefix.engines.extraction_fitting import _entity_counts, _token_data, labelled_rows
+    from beam_prefix.engines.extraction_fitting import labelled_rows
     from beam_prefix.engines.extractor import Extractor
+    from beam_prefix.engines.tagger_fitting import entity_counts, token_data
     from beam_prefix.model.loading import load_model
     from beam_prefix.tasks.span_tags import TagSet
 
@@ -52,7 +53,7 @@ def run(rows_per_intent: int = 70, validation_rows: int = 300, seed: int = 0) ->
                            [r.spans for r in labelled], [e.text for e in encoded])
         for layer in LAYERS:
             for window in WINDOWS:
-                data = {n: _token_data(tags, s, o, sp, list(LAYERS), (layer,), window) for n, (s, o, sp, _) in parts.items()}
+                data = {n: token_data(tags, s, o, sp, list(LAYERS), (layer,), window) for n, (s, o, sp, _) in parts.items()}
                 x = np.concatenate([d[0][d[2]] for d in data["fit"]])
                 y = np.concatenate([d[1][d[2]] for d in data["fit"]])
                 mean, std = x.mean(0), x.std(0)
@@ -63,7 +64,7 @@ def run(rows_per_intent: int = 70, validation_rows: int = 300, seed: int = 0) ->
                     log_probs = np.full((len(feats), tags.size), -1e9)
                     with np.errstate(divide="ignore"):
                         log_probs[:, model.classes_] = model.predict_log_proba((feats - mean) / std)
-                    counts += _entity_counts(tags, log_probs, offsets, mask, spans, text)
+                    counts += entity_counts(tags, log_probs, offsets, mask, spans, text)
                 key = f"layer {layer}, window {list(window)}"
                 totals[key] = totals.get(key, np.zeros(3, dtype=int)) + counts
     f1 = {k: round(2 * int(c[0]) / max(int(c[1] + c[2]), 1), 4) for k, c in totals.items()}

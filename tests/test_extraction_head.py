@@ -13,13 +13,14 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
-from beam_prefix.engines.extraction_fitting import fit_extraction_head, labelled_rows
+from beam_prefix.engines.extraction_fitting import fit_extraction_head, labelled_rows, tagger_candidates
 from beam_prefix.engines.extractor import Extractor
 from beam_prefix.errors import TaskSpecError, VerificationError
 from beam_prefix.tasks.extract_task import load_task
 from beam_prefix.tasks.extraction_head import ExtractionHead
-from beam_prefix.tasks.span_tags import TagSet, best_path, span_value, spans_of, token_tags, trimmed
+from beam_prefix.tasks.span_tags import TagSet, best_path, span_value, spans_of, tag_transitions, token_tags, trimmed
 
 from conftest import ARCHS
 
@@ -95,6 +96,52 @@ def test_best_path_never_continues_a_span_it_did_not_begin():
     assert best_path(log_probs, tags, np.array([False, False])) == [0, 0]
 
 
+def test_learned_transitions_carry_what_one_tag_says_of_the_next():
+    tags = TagSet(("title", "genre"))
+    b_title, i_title, b_genre = tags.begin("title"), tags.begin("title") + 1, tags.begin("genre")
+    # titles run on for several tokens; a genre is one token, always followed by O
+    rows = [np.array([0, b_title, i_title, i_title, 0, b_genre, 0])] * 20
+    learned = tag_transitions(rows, tags.size)
+    assert learned[b_title, i_title] > 0 > learned[b_title, 0]
+    assert learned[b_genre, 0] > 0 > learned[b_genre, b_genre]
+    # a token the per-token probabilities leave in doubt (O 0.5, I-title 0.45) after a title's B
+    log_probs = np.log(np.array([[0.05, 0.9, 0.01, 0.02, 0.02],
+                                 [0.5, 0.02, 0.45, 0.02, 0.01]]))
+    text = np.ones(2, bool)
+    assert best_path(log_probs, tags, text) == [b_title, 0]
+    assert best_path(log_probs, tags, text, learned) == [b_title, i_title]
+    # between a text token and one that is not, only validity counts
+    assert best_path(log_probs, tags, np.array([True, False]), learned) == [b_title, 0]
+
+
+def test_a_head_file_without_transitions_reads_as_none(tmp_path, tiny_models, llama_head):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from beam_prefix.tasks.extraction_head import EXTRACTION_HEAD_KEY
+
+    llama_head.save(tmp_path / "new.head")
+    with safe_open(str(tmp_path / "new.head"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k != "tagger.transitions"}
+    save_file(tensors, str(tmp_path / "old.head"), metadata={EXTRACTION_HEAD_KEY: meta[EXTRACTION_HEAD_KEY]})
+    old = ExtractionHead.load(tmp_path / "old.head")
+    assert not old.tagger.transitions.any() and old.tagger.transitions.shape == llama_head.tagger.transitions.shape
+    # a hidden layer survives the file; half of one is refused
+    mlp = _fit(tiny_models["llama"], ticket_rows(20), tagger_kinds=[("mlp", 16)])
+    mlp.save(tmp_path / "mlp.head")
+    again = ExtractionHead.load(tmp_path / "mlp.head")
+    assert again.identity == mlp.identity and again.tagger.hidden[0].shape[0] == 16
+    with safe_open(str(tmp_path / "mlp.head"), framework="pt") as f:
+        mlp_meta, mlp_tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k != "tagger.hidden_bias"}
+    save_file(mlp_tensors, str(tmp_path / "half.head"), metadata=mlp_meta)
+    with pytest.raises(TaskSpecError, match="needs both hidden_weight and hidden_bias"):
+        ExtractionHead.load(tmp_path / "half.head")
+    bad = dict(tensors, **{"tagger.transitions": torch.full_like(llama_head.tagger.transitions, float("nan"))})
+    save_file(bad, str(tmp_path / "nan.head"), metadata={EXTRACTION_HEAD_KEY: meta[EXTRACTION_HEAD_KEY]})
+    with pytest.raises(TaskSpecError, match="transitions holds values that are not finite"):
+        ExtractionHead.load(tmp_path / "nan.head")
+
+
 def test_several_spans_of_one_field_keep_the_most_probable():
     tags = TagSet(("a",))
     offsets = [(0, 1), (2, 3), (4, 5)]
@@ -162,9 +209,11 @@ def test_bad_labelled_rows_are_refused_naming_the_row(row, message):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("engine", ["shared", "expanded"])
-def test_head_over_cached_states_equals_full_reencoding(tiny_models, arch, engine):
+@pytest.mark.parametrize("kind", [("linear", 1.0), ("mlp", 32)])
+def test_head_over_cached_states_equals_full_reencoding(tiny_models, arch, engine, kind):
     loaded = tiny_models[arch]
-    head = _fit(loaded, ticket_rows(24))
+    head = _fit(loaded, ticket_rows(24), tagger_kinds=[kind])
+    assert (head.tagger.hidden is not None) == (kind[0] == "mlp")
     ex = Extractor(task=ticket_task(scoring="head", head=head), loaded=loaded, verify=False, batch_size=5,
                    prefix_attention=engine)
     texts = [r["text"] for r in ticket_rows(12, seed=1)] + ["x", "order " * 300]
@@ -178,7 +227,7 @@ def test_head_over_cached_states_equals_full_reencoding(tiny_models, arch, engin
 
 
 def test_embedded_head_equals_full_reencoding(embedded):
-    head = _fit(embedded, ticket_rows(30))
+    head = _fit(embedded, ticket_rows(30), tagger_kinds=[("mlp", 64)])  # (the hidden layer: the wider reading)
     ex = Extractor(task=ticket_task(scoring="head", head=head), loaded=embedded, verify=True)
     texts = [r["text"] for r in ticket_rows(6, seed=2)]
     for c, f in zip(ex.extract(texts), ex.extract_full(texts)):
@@ -195,6 +244,15 @@ def test_a_fit_head_reads_held_out_tickets(tiny_models, llama_head):
     assert right >= 36, [(o.values, r["fields"]) for o, r in zip(out, held_out) if o.values != r["fields"]][:3]
     assert llama_head.metrics["tagger"]["kfold_span_f1"] > 0.9
     assert set(llama_head.metrics["fields"]) == {"area", "refund"}
+    # the folds weighed the learned transitions too, and the head keeps the chosen weight's
+    tagger = llama_head.metrics["tagger"]
+    assert {key.rsplit(" x", 1)[1] for key in tagger["kfold_span_f1_by_candidate"]} == {"0.0", "0.5", "1.0"}
+    assert (tagger["transition_weight"] == 0.0) == (not llama_head.tagger.transitions.any())
+
+
+def test_the_tagger_tries_two_depths_alone_and_together():
+    assert tagger_candidates(30) == [(12,), (18,), (12, 18)]
+    assert tagger_candidates(2) == [(1,)]
 
 
 def test_a_span_that_does_not_parse_is_null_and_says_why(tiny_models):

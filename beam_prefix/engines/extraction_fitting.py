@@ -16,10 +16,8 @@ tagger (they would teach it that the value is absent), and the head's metrics co
 
 The states come from the extractor's own suffix pass (`Extractor.states_encoded`: what
 the head reads when it answers), once for every layer any candidate reads. The span
-tagger (a multinomial logistic regression over tokens' windowed states, standardised) is
-chosen among `tagger_candidates` layers and `TAGGER_C` regularisations by k-fold
-cross-validation over rows, scored by entity-level micro F1 of the decoded spans
-(exact span and field) on the held-out rows; each enum and boolean field's head is a
+tagger's layers, classifier and transition weight are chosen by k-fold cross-validation
+over rows, scored by entity-level micro F1 of the decoded spans (`tagger_fitting`); each enum and boolean field's head is a
 classification head (`head_fitting.fit_head_from_features`) whose layers and pooling the
 same folds choose among `feature_search.candidates`. The chosen parts are refit on every
 row.
@@ -28,32 +26,23 @@ row.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from beam_prefix.engines.feature_search import candidates as head_candidates
 from beam_prefix.engines.field_reading import pooled
 from beam_prefix.engines.head_fitting import fit_head_from_features
+from beam_prefix.engines.tagger_fitting import TAGGER_KINDS, WINDOW, fit_tagger, tagger_candidates
 from beam_prefix.model.half_precision import dtype_of, precision_name
-from beam_prefix.tasks.extraction_head import ExtractionHead, SpanTagger, field_signature, window_features
-from beam_prefix.tasks.span_tags import SPAN_TYPES, TagSet, best_path, spans_of, token_tags
+from beam_prefix.tasks.extraction_head import ExtractionHead, field_signature
+from beam_prefix.tasks.span_tags import SPAN_TYPES, TagSet
 from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.trained_head import feature_fingerprint, text_hash
 
-__all__ = ["fit_extraction_head", "labelled_rows", "LabelledRow", "tagger_candidates", "WINDOW", "TAGGER_C"]
-
-_LOGGER = logging.getLogger(__name__)
-# a token's states, and the previous and next token's (a causal state sees nothing after its
-# token: the next one's says how the text goes on). Chosen on SNIPS training rows only
-# (benchmarks.extraction_survey, 70 rows per intent: the best window at layers 12, 18 and 24)
-WINDOW = (-1, 0, 1)
-TAGGER_C = (0.1, 1.0)  # the tagger's regularisation grid (the classification heads' is wider: C_GRID)
-
+__all__ = ["fit_extraction_head", "labelled_rows", "LabelledRow"]
 
 @dataclasses.dataclass(frozen=True)
 class LabelledRow:
@@ -147,16 +136,9 @@ def _locate(text: str, value) -> tuple[int, int] | None:
     return None
 
 
-def tagger_candidates(num_layers: int) -> list[tuple[int, ...]]:
-    """The tagger's layer candidates for a model of `num_layers` layers: two fifths and three
-    fifths down (12 and 18 of 30), one layer each (a fifth and four fifths down tagged
-    SNIPS worse: docs/history.md)."""
-    return sorted({(max(1, round(num_layers * f)),) for f in (0.4, 0.6)})
-
-
 def fit_extraction_head(extractor, rows: Sequence[Mapping[str, Any]], *, folds: int = 5,
                         tagger_layers: Sequence[Sequence[int]] | None = None, window: Sequence[int] = WINDOW,
-                        search_rows: int = 500) -> ExtractionHead:
+                        search_rows: int = 500, tagger_kinds: Sequence[tuple] | None = None) -> ExtractionHead:
     """A head for `extractor`'s task, prompt, model and dtype, fit on labelled `rows`.
 
     Args:
@@ -164,12 +146,15 @@ def fit_extraction_head(extractor, rows: Sequence[Mapping[str, Any]], *, folds: 
             states the head is fit on, and will read.
         rows: labelled rows, ``{"text", "fields"}`` or ``{"text", "entities"}`` mappings
             (module docstring).
-        folds: folds of the cross-validation that chooses the tagger's layer and C and each
-            field head's layers and pooling (fewer when there are fewer rows).
-        tagger_layers: the tagger's layer candidates (default: `tagger_candidates`).
+        folds: folds of the cross-validation that chooses the tagger's layers, classifier and
+            transition weight and each field head's layers and pooling (fewer when there are
+            fewer rows).
+        tagger_layers: the tagger's layer candidates (default: `tagger_fitting.tagger_candidates`).
         window: the token offsets whose states a token's features join (default `WINDOW`).
         search_rows: at most this many rows (the first, in order) choose the tagger by folds;
             the chosen one is fit on every row.
+        tagger_kinds: the tagger's token classifiers to compare (default
+            `tagger_fitting.TAGGER_KINDS`: linear, C 0.1 and 1, and one hidden layer).
 
     Raises:
         ValueError: a bad labelled row (`labelled_rows`), or an enum or boolean field whose
@@ -198,9 +183,10 @@ def fit_extraction_head(extractor, rows: Sequence[Mapping[str, Any]], *, folds: 
         usable = [i for i, r in enumerate(labelled) if r.spans_ok and all(e <= len(encoded[i].text) for _, e in r.spans.values())]
         metrics["rows_span_not_found"] = len(labelled) - len(usable)
         tags = TagSet(tuple(span_fields))
-        tagger, tagger_metrics = _fit_tagger(
+        tagger, tagger_metrics = fit_tagger(
             tags, [states[i] for i in usable], [offsets[i] for i in usable], [labelled[i].spans for i in usable],
-            [encoded[i].text for i in usable], every, tag_candidates, tuple(window), folds, search_rows)
+            [encoded[i].text for i in usable], every, tag_candidates, window=tuple(window), folds=folds,
+            search_rows=search_rows, kinds=tagger_kinds or TAGGER_KINDS)
         metrics["tagger"] = tagger_metrics
     field_heads = {}
     pooled_by = {c: np.stack([pooled([s[every.index(i)] for i in c.layers], c.pooling).numpy() for s in states])
@@ -230,75 +216,3 @@ def fit_extraction_head(extractor, rows: Sequence[Mapping[str, Any]], *, folds: 
     return ExtractionHead(fields=field_signature(task.fields), tagger=tagger, field_heads=field_heads,
                           fingerprint=fingerprint, train_hashes=[text_hash(r.text) for r in labelled],
                           metrics=metrics, dtype=dtype_of(precision))
-
-
-def _token_data(tags: TagSet, states, offsets, spans, every, layers, window):
-    """Per row: the tagger's token features ``[N, F]`` (numpy), gold tags and text mask."""
-    out = []
-    for s, o, sp in zip(states, offsets, spans):
-        x = window_features([s[every.index(i)] for i in layers], window).numpy()
-        out.append((x, np.array(token_tags(o, sp, tags)), np.array([a >= 0 for a, _ in o])))
-    return out
-
-
-def _entity_counts(tags: TagSet, log_probs, offsets, mask, spans, text: str) -> tuple[int, int, int]:
-    """(true positives, predicted, gold) spans of one row, exact span and field."""
-    path = best_path(log_probs, tags, mask)
-    found = {(f, s.start, s.end) for f, s in spans_of(path, np.exp(log_probs), offsets, tags, text).items()}
-    gold = {(f, s, e) for f, (s, e) in spans.items()}
-    return len(found & gold), len(found), len(gold)
-
-
-def _fit_tagger(tags: TagSet, states, offsets, spans, texts, every, candidates, window, folds, search_rows):
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import KFold
-
-    def fit(data, c):
-        x = np.concatenate([d[0][d[2]] for d in data])
-        y = np.concatenate([d[1][d[2]] for d in data])
-        mean, std = x.mean(0), x.std(0)
-        std[std < 1e-6] = 1.0
-        model = LogisticRegression(C=c, max_iter=1000).fit((x - mean) / std, y)
-        return model, mean, std
-
-    def log_probs(model, mean, std, x):
-        out = np.full((len(x), tags.size), -1e9)  # a tag no training token had: never chosen
-        with np.errstate(divide="ignore"):  # (a probability that underflows to 0: log -inf, never chosen)
-            out[:, model.classes_] = model.predict_log_proba((x - mean) / std)
-        return out
-
-    searched = min(len(states), search_rows)
-    k = min(folds, searched)
-    scores: dict = {}
-    if k >= 2:
-        splits = list(KFold(n_splits=k, shuffle=True, random_state=0).split(np.arange(searched)))
-        for layers in candidates:
-            data = _token_data(tags, states[:searched], offsets[:searched], spans[:searched], every, layers, window)
-            for c in TAGGER_C:
-                tp = predicted = gold = 0
-                for train, test in splits:
-                    model, mean, std = fit([data[i] for i in train], c)
-                    for i in test:
-                        a, b, g = _entity_counts(tags, log_probs(model, mean, std, data[i][0]), offsets[i], data[i][2],
-                                                 spans[i], texts[i])
-                        tp, predicted, gold = tp + a, predicted + b, gold + g
-                scores[layers, c] = 2 * tp / max(predicted + gold, 1)
-                _LOGGER.info("tagger layers %s C %s: %d-fold span F1 %.4f", list(layers), c, k, scores[layers, c])
-        layers, c = max(scores, key=lambda key: (scores[key], -len(key[0]), -key[0][0], -key[1]))
-    else:
-        layers, c = candidates[0], 1.0
-    data = _token_data(tags, states, offsets, spans, every, layers, window)
-    model, mean, std = fit(data, c)
-    weight = np.zeros((tags.size, mean.shape[0]), dtype=np.float32)
-    bias = np.full(tags.size, -1e4, dtype=np.float32)  # tags no training token had: never chosen
-    coef, intercept = model.coef_, model.intercept_
-    if len(model.classes_) == 2:  # sklearn's binary form: one row, the second class's logit
-        coef, intercept = np.concatenate([-coef / 2, coef / 2]), np.array([-intercept[0] / 2, intercept[0] / 2])
-    weight[model.classes_], bias[model.classes_] = coef, intercept
-    tagger = SpanTagger(fields=tags.fields, layers=layers, window=window, weight=torch.from_numpy(weight),
-                        bias=torch.from_numpy(bias), mean=torch.from_numpy(mean.astype(np.float32)),
-                        std=torch.from_numpy(std.astype(np.float32)))
-    metrics = {"layers": list(layers), "window": list(window), "C": c, "folds": k if k >= 2 else 0,
-               "search_rows": searched, "kfold_span_f1": round(scores.get((layers, c), float("nan")), 4) if scores else None,
-               "kfold_span_f1_by_candidate": {f"layers {list(l)} C {cc}": round(v, 4) for (l, cc), v in scores.items()}}
-    return tagger, metrics

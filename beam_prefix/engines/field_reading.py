@@ -86,7 +86,7 @@ def read_fields(reader: FieldReader, states: Sequence[torch.Tensor], offsets: Se
         logits.append(tag_logits.flatten())
         log_probs = torch.log_softmax(tag_logits, -1).numpy()
         is_text = np.array([start >= 0 for start, _ in offsets])
-        path = best_path(log_probs, tagger.tags, is_text)
+        path = best_path(log_probs, tagger.tags, is_text, tagger.transitions.numpy())
         found = spans_of(path, np.exp(log_probs), offsets, tagger.tags, text)
         for name, span in found.items():
             spans_read[name] = text[span.start:span.end]

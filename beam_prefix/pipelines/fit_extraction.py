@@ -7,8 +7,8 @@ The input is JSONL, one labelled row per line, in either form that
 `engines.extraction_fitting` reads: ``{"text", "fields": {...}}`` or
 ``{"text", "entities": [{"start", "end", "label"}]}``. The rows' states are computed in
 this process by the task's own `Extractor` (its cached suffix pass, the one the head will
-read), the head is fit (`fit_extraction_head`: the span tagger's layers and
-regularisation and each enum and boolean field's features chosen by folds) and written
+read), the head is fit (`fit_extraction_head`: the span tagger's layers, token classifier
+and transition weight and each enum and boolean field's features chosen by folds) and written
 all or nothing. Unlike a classification head's, the features are not computed on the
 runner: a few thousand labelled rows take minutes on one machine. Classification-only
 flags (``--label_column``, ``--layers``, ``--pooling``, ``--prefer``, ``--lexical``,
@@ -115,7 +115,9 @@ def format_summary(s: dict) -> str:
     tagger = s.get("tagger")
     if tagger:
         f1 = tagger.get("kfold_span_f1")
-        lines.append(f"span fields: tagger on layers {tagger['layers']}, window {tagger['window']}, C={tagger['C']}; "
+        kind = f"C={tagger['C']}" if "C" in tagger else f"one hidden layer of {tagger.get('hidden')}"
+        lines.append(f"span fields: tagger on layers {tagger['layers']}, window {tagger['window']}, {kind}, "
+                     f"transitions x{tagger.get('transition_weight', 0.0)}; "
                      + (f"{tagger['folds']}-fold span F1 {f1:.3f} on {tagger['search_rows']} rows" if f1 is not None
                         else "no cross-validation (too few rows)")
                      + (f"; {s['rows_span_not_found']} rows whose span value is not in the text did not train it"

@@ -5,17 +5,19 @@ rows (`beam_prefix.engines.extraction_fitting`) instead of decoding JSON. The sa
 pass that every engine runs gives each of the row's tokens its hidden states; from them:
 
 * span fields (``string``, ``number``, ``integer``, ``date``) come from a `SpanTagger`, a
-  linear layer on each token's features (its own states and its next tokens', `window`,
-  at `layers`, concatenated and standardised) giving its BIO tags' logits
-  (`span_tags.TagSet`); the best valid tag path marks at most one span per field, which
-  is parsed as the field's type;
+  linear layer (or one hidden layer and a linear one) on each token's features (its own
+  states and its neighbours', `window`, at `layers`, concatenated and standardised) giving
+  its BIO tags' logits
+  (`span_tags.TagSet`); the best valid tag path (with learned scores for one tag
+  following another) marks at most one span per field, which is parsed as the field's type;
 * enum and boolean fields come from a `trained_head.TrainedHead` each, on the row's
   pooled features (the classification head; a boolean's labels are ``false`` and
   ``true``).
 
-The file is one safetensors file: the tagger's tensors ``tagger.weight [T, F]``,
-``tagger.bias [T]``, ``tagger.mean [F]``, ``tagger.std [F]``; each field head's
-``field.<name>.weight`` (and bias, mean, std); ``train_hashes [N]``; and under the
+The file is one safetensors file: the tagger's tensors ``tagger.weight [T, D]``,
+``tagger.bias [T]``, ``tagger.mean [F]``, ``tagger.std [F]``, ``tagger.transitions [T, T]``
+and, with a hidden layer, ``tagger.hidden_weight [D, F]``, ``tagger.hidden_bias [D]``; each
+field head's ``field.<name>.weight`` (and bias, mean, std); ``train_hashes [N]``; and under the
 metadata key ``beam_prefix_extraction_head`` a JSON object: the fields it was fit for
 (name, type, enum values), the tagger's fields, layers and window, each field head's
 labels, layers and pooling, the feature fingerprint (prompt, model, dtype), the dtype,
@@ -66,32 +68,45 @@ def window_features(states: Sequence[torch.Tensor], window: Sequence[int]) -> to
 
 
 class SpanTagger:
-    """A linear layer over each token's windowed hidden states, giving its BIO tags' logits.
+    """A token classifier over each token's windowed hidden states, giving its BIO tags' logits:
+    a linear layer, or one hidden layer of GELUs before it.
 
     Args:
         fields: the span fields it tags (`span_tags.TagSet`'s order).
         layers: hidden-state indices read (as `TrainedHead.layers`).
         window: token offsets whose states are concatenated for a token (``(0, 1)``: its
             own and the next one's; past the row's suffix: zeros).
-        weight: ``[T, F]`` with ``F = H * len(layers) * len(window)``; bias ``[T]``; mean,
-            std: ``[F]`` (std > 0).
+        weight: ``[T, D]``, with ``D = F = H * len(layers) * len(window)`` (linear) or the
+            hidden width; bias ``[T]``; mean, std: ``[F]`` (std > 0).
+        hidden_weight, hidden_bias: ``[D, F]``, ``[D]``: the hidden layer (None: linear).
+        transitions: ``[T, T]`` scores added where one tag follows another (`best_path`;
+            weighted `span_tags.tag_transitions`); default zeros.
     """
 
     def __init__(self, *, fields: Sequence[str], layers: Sequence[int], window: Sequence[int], weight: torch.Tensor,
-                 bias: torch.Tensor, mean: torch.Tensor, std: torch.Tensor):
+                 bias: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, transitions: torch.Tensor | None = None,
+                 hidden_weight: torch.Tensor | None = None, hidden_bias: torch.Tensor | None = None):
         self.tags = TagSet(tuple(fields))
         self.layers, self.window = tuple(int(i) for i in layers), tuple(int(i) for i in window)
         self.weight, self.bias, self.mean, self.std = weight.float(), bias.float(), mean.float(), std.float()
-        if self.weight.shape[0] != self.tags.size or self.bias.shape != (self.tags.size,) \
-                or self.weight.shape[1] != self.mean.shape[0] or self.std.shape != self.mean.shape:
-            raise TaskSpecError(f"span tagger: weight {tuple(self.weight.shape)}, bias {tuple(self.bias.shape)}, mean "
-                                f"{tuple(self.mean.shape)} do not fit {self.tags.size} tags")
-        for name, t in (("weight", self.weight), ("bias", self.bias), ("mean", self.mean), ("std", self.std)):
+        size = self.tags.size
+        self.transitions = torch.zeros(size, size) if transitions is None else transitions.float()
+        if (hidden_weight is None) != (hidden_bias is None):
+            raise TaskSpecError("span tagger: a hidden layer needs both hidden_weight and hidden_bias")
+        self.hidden = None if hidden_weight is None else (hidden_weight.float(), hidden_bias.float())
+        inner = self.mean.shape[0] if self.hidden is None else self.hidden[0].shape[0]
+        if self.weight.shape[0] != size or self.bias.shape != (size,) or self.transitions.shape != (size, size) \
+                or self.weight.shape[1:] != (inner,) or self.std.shape != self.mean.shape or self.mean.dim() != 1 \
+                or (self.hidden is not None and (self.hidden[0].shape[1:] != self.mean.shape
+                                                 or self.hidden[1].shape != (inner,))):
+            raise TaskSpecError(f"span tagger: shapes {({k: tuple(t.shape) for k, t in self.tensors().items()})} "
+                                f"do not fit {size} tags")
+        for name, t in self.tensors().items():
             if not bool(torch.isfinite(t).all()):
                 raise TaskSpecError(f"span tagger: {name} holds values that are not finite; fit the head again")
         if not bool((self.std > 0).all()):
             raise TaskSpecError("span tagger: std holds values <= 0; fit the head again")
-        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._on: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def features(self, states: Sequence[torch.Tensor]) -> torch.Tensor:
         """One row's token features ``[N, F]`` from its states at `layers`, ``[N, H]`` each."""
@@ -100,12 +115,20 @@ class SpanTagger:
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """``[N, F]`` token features -> ``[N, T]`` tag logits (fp32)."""
         if features.device not in self._on:
-            self._on[features.device] = tuple(t.to(features.device) for t in (self.weight, self.bias, self.mean, self.std))
-        weight, bias, mean, std = self._on[features.device]
-        return ((features.float() - mean) / std) @ weight.T + bias
+            self._on[features.device] = {k: t.to(features.device) for k, t in self.tensors().items()}
+        on = self._on[features.device]
+        x = (features.float() - on["mean"]) / on["std"]
+        if self.hidden is not None:
+            x = torch.nn.functional.gelu(x @ on["hidden_weight"].T + on["hidden_bias"])
+        return x @ on["weight"].T + on["bias"]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std}
+        """Every tensor by its name in the file (``tagger.<name>``)."""
+        out = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std,
+               "transitions": self.transitions}
+        if self.hidden is not None:
+            out.update(hidden_weight=self.hidden[0], hidden_bias=self.hidden[1])
+        return out
 
     def __getstate__(self):
         return {**self.__dict__, "_on": {}}
@@ -254,6 +277,8 @@ class ExtractionHead:
             if "tagger" in meta:
                 t = meta["tagger"]
                 tagger = SpanTagger(fields=t["fields"], layers=t["layers"], window=t["window"],
+                                    **{k: tensors.get(f"tagger.{k}") for k in ("transitions", "hidden_weight",
+                                                                               "hidden_bias")},  # (optional)
                                     **{k: tensors[f"tagger.{k}"] for k in ("weight", "bias", "mean", "std")})
             heads = {name: TrainedHead(labels=h["labels"], layers=h["layers"], pooling=h["pooling"],
                                        fingerprint=h["fingerprint"], metrics=h.get("metrics"), dtype=meta.get("dtype"),

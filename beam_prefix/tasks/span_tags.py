@@ -6,7 +6,8 @@ the row's text tokens ``O`` (outside every field), ``B-<field>`` (a span begins 
 field k's ``B`` is ``1 + 2k`` and its ``I`` ``2 + 2k``); `token_tags` turns a row's
 character spans into its tokens' tags (for fitting); `best_path` finds the most likely
 tag sequence that is valid (an ``I`` only after its own field's ``B`` or ``I``; Viterbi
-over the head's log-probabilities); `spans_of` reads the spans back as character
+over the head's log-probabilities, plus learned scores for one tag following another:
+`tag_transitions`); `spans_of` reads the spans back as character
 offsets, at most one per field (the most probable), and `span_value` parses a span as
 its field's type, or says why it does not parse.
 
@@ -25,7 +26,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["TagSet", "Span", "token_tags", "best_path", "spans_of", "whole_words", "span_value", "SPAN_TYPES", "trimmed"]
+__all__ = ["TagSet", "Span", "token_tags", "tag_transitions", "best_path", "spans_of", "whole_words", "span_value", "SPAN_TYPES", "trimmed"]
 
 SPAN_TYPES = ("string", "number", "integer", "date")  # fields read from a span of the text
 _NOT_TEXT = (-1, -1)  # a suffix token that is none of the row's text (the template's own)
@@ -101,22 +102,40 @@ def token_tags(offsets: Sequence[tuple[int, int]], spans: Mapping[str, tuple[int
     return out
 
 
-def best_path(log_probs: np.ndarray, tags: TagSet, text_tokens: np.ndarray) -> list[int]:
-    """The valid tag sequence of highest total log-probability (Viterbi). `log_probs`:
-    ``[N, T]``; `text_tokens`: ``[N]`` bool, the tokens that may be tagged (the others are
-    ``O``)."""
+def tag_transitions(tag_rows: Sequence[np.ndarray], size: int) -> np.ndarray:
+    """``[T, T]`` how much likelier tag q is after tag p than anywhere, in the training rows'
+    tag sequences (each ``[N_i]``, text tokens only): ``log P(q | p) - log P(q)``, counts
+    smoothed by one. Added to a path's score, it carries what one tag says of the next
+    (a title's words run on; a genre rarely follows a genre), which per-token
+    probabilities do not."""
+    counts = np.ones((size, size))
+    for tags in tag_rows:
+        np.add.at(counts, (tags[:-1], tags[1:]), 1)
+    following = np.log(counts / counts.sum(1, keepdims=True))
+    overall = np.log(counts.sum(0) / counts.sum())
+    return following - overall[None, :]
+
+
+def best_path(log_probs: np.ndarray, tags: TagSet, text_tokens: np.ndarray,
+              transitions: np.ndarray | None = None) -> list[int]:
+    """The valid tag sequence of highest total score (Viterbi): each token's tag
+    log-probability, plus ``transitions[p, q]`` wherever tag q follows tag p between two text
+    tokens. `log_probs`: ``[N, T]``; `text_tokens`: ``[N]`` bool, the tokens that may be
+    tagged (the others are ``O``); `transitions`: ``[T, T]`` finite scores (default none:
+    every valid sequence's score is its tokens')."""
     n, size = log_probs.shape
     if n == 0:
         return []
     scores = np.where(text_tokens[:, None], log_probs, -math.inf)
     scores[:, 0] = np.where(text_tokens, log_probs[:, 0], 0.0)
     allowed = tags.transitions()
+    learned = allowed if transitions is None else allowed + transitions
     start = np.where(np.arange(size) % 2 == 0, -math.inf, 0.0)
     start[0] = 0.0
     score = scores[0] + start
     back = np.zeros((n, size), dtype=np.int64)
     for i in range(1, n):
-        step = score[:, None] + allowed
+        step = score[:, None] + (learned if text_tokens[i] and text_tokens[i - 1] else allowed)
         back[i] = step.argmax(0)
         score = step.max(0) + scores[i]
     path = [int(score.argmax())]
