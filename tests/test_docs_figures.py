@@ -6,6 +6,7 @@ test until the page says the new one."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -154,7 +155,23 @@ def _extraction_speed(d: dict) -> tuple:
             f"the suffix pass {split['model: suffix pass']:.1f} s, the decode steps {split['model: decode steps']:.1f} s")
 
 
+def _tagger_survey(d: dict) -> tuple:
+    """history.md's table of the tagger survey: each tagger's three F1s, in a row."""
+    f1 = d["span_f1_on_other_training_rows"]
+    names = dict.fromkeys(k.rsplit(", transitions", 1)[0] for k in f1)
+    return tuple(f"| {n} | " + " | ".join(f"{f1[f'{n}, transitions x{w}']:.4f}" for w in (0.0, 0.5, 1.0)) + " |"
+                 for n in names)
+
+
+def _linear_tagger(d: dict) -> tuple:
+    f1 = d["micro_f1"]
+    return (f"the linear tagger reached {f1['head, all']:.3f} span F1 on the test rows",
+            f"under the CRF of the same run ({f1['CRF, all']:.3f};")
+
+
 QUOTES = [
+    ("docs/history.md", "tagger_survey", _tagger_survey),
+    ("docs/history.md", "extraction_heads_linear", _linear_tagger),
     ("docs/benchmarks.md", "speedup", _speedup),
     ("docs/benchmarks.md", "peers", _peers),
     ("docs/benchmarks.md", "extraction", _extraction_speed),
@@ -178,3 +195,39 @@ def test_a_figure_quoted_in_prose_is_its_results_files(page, name, quote):
     for fragment in quote(_results(name)):
         fragment = " ".join(fragment.split())
         assert fragment in text, f"{page} does not say {fragment!r} (benchmarks/results/{name}.json)"
+
+
+def _numbers_in(value, out: set) -> set:
+    """Every number a results file holds (strings' decimals too: some reports carry tables)."""
+    if isinstance(value, dict):
+        for v in value.values():
+            _numbers_in(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _numbers_in(v, out)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        out.add(float(value))
+    elif isinstance(value, str):
+        out.update(float(m) for m in re.findall(r"\d+\.\d+", value))
+    return out
+
+
+FIGURE = re.compile(r"(\d+\.\d+)(%| ms/row)")
+PROSE_PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md") if p.name != "history.md")
+
+
+@pytest.mark.parametrize("page", PROSE_PAGES)
+def test_every_percentage_and_cost_a_page_states_is_in_a_results_file(page):
+    """Beyond the quotes above: any ``NN.N%`` or ``N.NN ms/row`` a page states outside its code
+    blocks (whose shown output a run prints) is some results file's value, at the precision
+    shown (a fraction as a percentage too). A figure no run recorded fails here."""
+    known: set = set()
+    for path in RESULTS.rglob("*.json"):
+        _numbers_in(json.loads(path.read_text(encoding="utf-8")), known)
+    prose = re.sub(r"```.*?```", "", (ROOT / page).read_text(encoding="utf-8"), flags=re.S)
+    unknown = []
+    for m in FIGURE.finditer(prose):
+        shown, places, percent = float(m.group(1)), len(m.group(1).split(".")[1]), m.group(2) == "%"
+        if not any(round(v * scale, places) == shown for v in known for scale in ((1, 100) if percent else (1,))):
+            unknown.append(m.group(0))
+    assert not unknown, f"{page} states {unknown}, which no file in benchmarks/results holds"
