@@ -282,12 +282,9 @@ def _rss(args) -> dict:
 
 
 def _native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from beam_prefix.model.half_precision import native_bf16
+
+    return native_bf16()
 
 
 def _modes(loaded, workloads, reference: dict, c_ms: dict, args) -> list[dict]:

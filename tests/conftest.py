@@ -87,6 +87,14 @@ def tiny_task(labels=("billing", "technical", "account"), **changes) -> TaskSpec
     return base.replace(**changes)
 
 
+@pytest.fixture(autouse=True)
+def float32_fits_here(monkeypatch):
+    """A fit in this process searches float32 alone, whatever this machine's CPU (``--dtype
+    auto`` adds bfloat16 where bf16 is native): the tests' heads and their figures do not
+    depend on the machine CI runs on. Tests of the precision search set `native_bf16` themselves."""
+    monkeypatch.setattr("beam_prefix.pipelines.fit_search.native_bf16", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def embedded() -> LoadedModel:
     return load_model("embedded")

@@ -173,3 +173,60 @@ def test_candidates_are_timed_by_their_least_disturbed_round():
     costs = time_candidates(embed, [cheap, dear], rounds=3)
     assert costs[cheap] < costs[dear]  # (a median would have put the cheap one above the dear one)
     assert 10 <= costs[cheap] < 90 and costs[dear] >= 30  # (its undisturbed round; sleeps only overshoot)
+
+
+def test_auto_searches_bf16_beside_float32_where_it_is_native_and_the_head_records_the_chosen(
+        tiny_dir, tmp_path, monkeypatch, capsys):
+    """#64.2: with --dtype auto (the default) on a CPU with native bf16, every candidate is fit
+    and timed in both precisions on the same rows and folds; the choice ranges over all of
+    them, each summary entry names its precision and label rows, and the head records the
+    precision chosen, in which classify then runs (another is refused)."""
+    from beam_prefix.transforms import ClassifyText
+
+    monkeypatch.setattr("beam_prefix.pipelines.fit_search.native_bf16", lambda: True)
+    assert fit.main(["--runner=DirectRunner", f"--model={tiny_dir}", f"--input={SAMPLE}", "--label_column=label",
+                     f"--output={tmp_path}/h.head", f"--summary_output={tmp_path}/s.json", "--verify=false",
+                     "--folds=3"]) == 0
+    s = json.loads((tmp_path / "s.json").read_text())
+    rows = s["candidates"]
+    assert {(r["dtype"], r["label_rows"]) for r in rows} == {(d, w) for d in ("float32", "bfloat16")
+                                                            for w in (False, True)}
+    assert len(rows) == 2 * 2 * 3 and all(r["ms_per_row"] > 0 and r["fold_accuracy"] is not None for r in rows)
+    chosen = s["chosen"]
+    assert chosen["precisions"] == ["float32", "bfloat16"] and "natively" in chosen["precisions_why"]
+    best = max(r["fold_accuracy"] for r in rows)
+    pick = min((r for r in rows if r["fold_accuracy"] >= best - 0.005), key=lambda r: (r["ms_per_row"], -r["fold_accuracy"]))
+    assert (pick["layers"], pick["label_rows"], pick["dtype"]) == (chosen["layers"], chosen["label_rows"], chosen["dtype"])
+    head = TrainedHead.load(tmp_path / "h.head")
+    assert head.dtype == chosen["dtype"] == s["dtype"]
+    assert "precision" in capsys.readouterr().out
+    task = TaskSpec.from_yaml(os.path.join(ROOT, "pipelines", "tasks", "support_tickets.yaml"))
+    task = task.replace(scoring="head", head=head, calibration=False, model=tiny_dir)
+    assert ClassifyText(task=task).config.dtype == head.dtype
+    other = "float32" if head.dtype == "bfloat16" else "bfloat16"
+    with pytest.raises(ValueError, match=f"fit in {head.dtype}"):
+        ClassifyText(task=task, dtype=other)
+
+
+def test_which_precisions_a_fit_compares(monkeypatch):
+    from beam_prefix.pipelines.fit_search import precisions
+
+    monkeypatch.setattr("beam_prefix.pipelines.fit_search.native_bf16", lambda: False)
+    assert precisions(None, "cpu", True)[0] == precisions("auto", "cpu", True)[0] == ["float32"]
+    assert "no native bf16" in precisions("auto", "cpu", True)[1]
+    assert precisions("bfloat16", "cpu", True)[0] == ["bfloat16"]  # named: that one alone
+    assert precisions("auto", "cuda", True)[0] == ["float32", "bfloat16"]
+    monkeypatch.setattr("beam_prefix.pipelines.fit_search.native_bf16", lambda: True)
+    assert precisions("auto", "cpu", True)[0] == ["float32", "bfloat16"]
+    assert precisions("auto", "cpu", False)[0] == ["float32"]  # named features: float32, said why
+    assert "--layers" in precisions("auto", "cpu", False)[1]
+
+
+def test_auto_elsewhere_is_the_heads_precision(tiny_dir):
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from beam_prefix.pipelines.options import classify_transform, validate
+
+    options = PipelineOptions([f"--model={tiny_dir}", "--task=support_tickets", "--dtype=auto"])
+    validate(options)
+    assert classify_transform(options).config.dtype == "float32"

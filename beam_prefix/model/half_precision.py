@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["HalfLinear", "half_linears", "compute_dtype", "precision_name", "dtype_of", "linears_precision", "TOLERANCE",
-           "HALF_DTYPES"]
+           "HALF_DTYPES", "native_bf16"]
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _MARK = "_beam_prefix_half"  # on the model: the half dtype its base model's linears compute in
@@ -120,3 +120,14 @@ def linears_precision(dtype: torch.dtype) -> str:
     dtype, else all of it in `dtype`): what `load_model(dtype=...)` gives."""
     name = str(dtype)[len("torch."):]
     return f"{name}-linears" if dtype in HALF_DTYPES else name
+
+
+def native_bf16() -> bool:
+    """Whether this machine's CPU computes bf16 natively (AVX512-BF16 or AMX): where bf16
+    GEMMs cost a fraction of float32's. Elsewhere torch emulates them, slower than float32."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -28,7 +28,7 @@ from beam_prefix.tasks.extract_task import ExtractionSpec, load_task
 from beam_prefix.beam.extract_transform import ExtractConfig, ExtractFields
 from beam_prefix.pipelines import launch
 from beam_prefix.pipelines.launch import Plan, RunFailed, explain
-from beam_prefix.pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, StepOptions
+from beam_prefix.pipelines.options import DEFAULT_OUTPUT, DEFAULT_TASKS, ClassifyOptions, StepOptions, step_dtype
 from beam_prefix.pipelines.publish import Staging
 from beam_prefix.pipelines.sinks import Destination, kept_columns
 from beam_prefix.pipelines.sources import describe_input, input_schema
@@ -86,8 +86,8 @@ def extraction_task(options: PipelineOptions) -> ExtractionSpec:
 def extract_transform(options: PipelineOptions, task: ExtractionSpec, keep_columns=None) -> ExtractFields:
     """The `ExtractFields` the flags describe, for `task` (read in the launcher)."""
     o = options.view_as(StepOptions)
-    return ExtractFields(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column, dtype=o.dtype or "float32",
-                         threads=o.torch_threads, min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size,
+    return ExtractFields(task=task, model=o.model, text_column=o.text_column, id_column=o.id_column,
+                         dtype=step_dtype(options) or "float32", threads=o.torch_threads, min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size,
                          batch_size=o.batch_size or 64, max_text_tokens=o.max_text_tokens, overflow=o.overflow,
                          max_new_tokens=options.view_as(ExtractOptions).max_new_tokens, verify=o.verify == "true",
                          keep_columns=keep_columns, device=o.device)

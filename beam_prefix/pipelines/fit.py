@@ -147,14 +147,15 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
     if given:
         raise ValueError(f"--{given[0]} does not apply to pipelines.fit: it writes one head file (--output) "
                          f"and, with --summary_output, its summary JSON; it writes no rows")
-    # no feature flag: the features are chosen by folds (pipelines.fit_search), in the
-    # precision --dtype names (it changes each candidate's cost, not which are compared)
+    # no feature flag: the features are chosen by folds (pipelines.fit_search), with the
+    # precision where --dtype is auto (the default)
     search = f.layers is None and f.pooling is None
     if f.prefer is not None and not search and not extraction:
         raise ValueError(f"--prefer {f.prefer} chooses among candidate features by folds, and --layers/--pooling "
                          f"name the features: give one or the other")
     f.prefer = f.prefer or "balanced"
-    o.dtype = o.dtype or "float32"  # (a fit makes the head: no head's precision to follow)
+    # (a fit makes the head: no head's precision to follow)
+    dtypes, why = fit_search.precisions(o.dtype, o.device, search and not extraction)
     layers = None if search else parse_layers(f.layers or "-1")
     # the head this run writes may replace the one the task names (not read here), never
     # the input, the task file or the model
@@ -168,13 +169,14 @@ def run(argv: list[str] | None = None, test_pipeline: beam.Pipeline | None = Non
         if extraction:  # (its states are computed here, not on workers: nothing to stage)
             return fit_extraction.fit_extraction(options, task_file)
         staged = stage_for_workers(options, run_models(options, "fit", task_file=task_file))
-        return _fit(options, task_file, layers, test_pipeline, staged)
+        return _fit(options, task_file, layers, test_pipeline, staged, dtypes=dtypes, why=why)
 
 
 def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | None, test_pipeline,
-         staged: str | None = None) -> dict:
+         staged: str | None = None, *, dtypes: list[str], why: str) -> dict:
     """The fit itself, once the flags and outputs are checked and locked (`layers` None: the
-    features chosen by folds; `staged`: the embedded model's spec for workers that lack it)."""
+    features chosen by folds, in each of `dtypes` (why: `why`); `staged`: the embedded
+    model's spec for workers that lack it)."""
     o, f = options.view_as(StepOptions), options.view_as(FitOptions)
     task = task_without_head(task_file)
     found = None
@@ -193,85 +195,79 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | Non
     launch_labels = _labels_at_launch(options, f.label_column)
     if launch_labels is not None:
         check_labels(task, launch_labels)  # before any model work
-    embed = EmbedText(task=task, layers=layers, model=staged or o.model, text_column=o.text_column, id_column=o.id_column,
-                      dtype=o.dtype, threads=o.torch_threads, batch_size=o.batch_size or 16,
-                      max_text_tokens=o.max_text_tokens, overflow=o.overflow,
-                      min_batch_size=o.min_batch_size, max_batch_size=o.max_batch_size, verify=o.verify == "true",
-                      keep_columns=[o.text_column, f.label_column], device=o.device, pooling=pooling)
-    embed.config.check_fits()
+    embeds = {d: EmbedText(task=task, layers=layers, model=staged or o.model, text_column=o.text_column,
+                           id_column=o.id_column, dtype=d, threads=o.torch_threads, batch_size=o.batch_size or 16,
+                           max_text_tokens=o.max_text_tokens, overflow=o.overflow, min_batch_size=o.min_batch_size,
+                           max_batch_size=o.max_batch_size, verify=o.verify == "true",
+                           keep_columns=[o.text_column, f.label_column], device=o.device, pooling=pooling)
+              for d in dtypes}
+    for embed in embeds.values():
+        embed.config.check_fits()
     staging = FeatureStaging(o.output)  # on the head's own file system: workers anywhere can deliver
     staging.prepare()
     try:
         p = test_pipeline or beam.Pipeline(options=options)
         rows, unparseable = read_rows(p, options)
-        result = rows | "EmbedText" >> embed
         staged = pa.schema([("label", pa.string()), ("hash", pa.int64()), ("text", pa.string()),
                             ("prompt", pa.string()), (FEATURES_COLUMN, pa.list_(pa.float32()))])
-        _ = (result.embedded | "Shape" >> beam.ParDo(_Shape(o.text_column, f.label_column))
-             | "WriteFeatures" >> beam.io.WriteToParquet(staging.features, staged, file_name_suffix=".parquet"))
         if f.label_rows != "false":  # the task's own words, through the same step: the same features
             texts, names = task_label_rows(task)
-            extra = (p | "LabelRows" >> beam.Create([{o.text_column: t, f.label_column: n} for t, n in zip(texts, names)])
-                     | "EmbedLabelRows" >> embed)
-            _ = (extra.embedded | "ShapeLabelRows" >> beam.ParDo(_Shape(o.text_column, f.label_column))
-                 | "WriteLabelRows" >> beam.io.WriteToParquet(staging.label_rows, staged, file_name_suffix=".parquet"))
-            # (not input rows: not counted as failed ones; a missing one is an error below)
-        failed = ((unparseable, result.failed) | "AllFailed" >> beam.Flatten()
-                  | "Count" >> beam.combiners.Count.Globally())
+            label_rows = p | "LabelRows" >> beam.Create([{o.text_column: t, f.label_column: n}
+                                                          for t, n in zip(texts, names)])
+        failures = [unparseable]
+        for i, (d, embed) in enumerate(embeds.items()):
+            at = "" if i == 0 else f" {d}"  # (the first precision's steps keep their names)
+            result = rows | f"EmbedText{at}" >> embed
+            _ = (result.embedded | f"Shape{at}" >> beam.ParDo(_Shape(o.text_column, f.label_column))
+                 | f"WriteFeatures{at}" >> beam.io.WriteToParquet(staging.features_of(d), staged,
+                                                                  file_name_suffix=".parquet"))
+            if i == 0:  # (a row fails alike in every precision: its text, not its numbers)
+                failures.append(result.failed)
+            if f.label_rows != "false":
+                extra = label_rows | f"EmbedLabelRows{at}" >> embed
+                _ = (extra.embedded | f"ShapeLabelRows{at}" >> beam.ParDo(_Shape(o.text_column, f.label_column))
+                     | f"WriteLabelRows{at}" >> beam.io.WriteToParquet(staging.label_rows_of(d), staged,
+                                                                       file_name_suffix=".parquet"))
+                # (not input rows: not counted as failed ones; a missing one is an error below)
+        failed = tuple(failures) | "AllFailed" >> beam.Flatten() | "Count" >> beam.combiners.Count.Globally()
         _ = failed | "WriteFailedCount" >> beam.io.WriteToText(staging.failed)
         start = time.perf_counter()
         run_to_end(p)  # a job the runner ended unfinished leaves partial features: no head from them
         features_s = time.perf_counter() - start
-        table, n_failed = staging.read()
-        # in one order whatever order the workers delivered the rows in: the folds that
-        # choose the head's regularisation split rows by position, so the head is the same
-        # on every runner and run
-        table = table.sort_by([("hash", "ascending"), ("text", "ascending"), ("label", "ascending")])
-        labels = table.column("label").to_pylist()
+        n_failed = staging.failed_count()
+        by_dtype, label_rows_note, first = {}, None, None
+        for d in dtypes:
+            table, extra, label_rows_note = _staged(staging, d, task, f.label_rows)
+            if first is None:
+                first = table
+            elif table.drop_columns([FEATURES_COLUMN]) != first.drop_columns([FEATURES_COLUMN]) \
+                    or (extra is None) != (by_dtype[dtypes[0]][1] is None):  # (one row failed in one precision only)
+                raise RuntimeError(f"the rows' features in {d} are not the same rows as in {dtypes[0]}; fit with "
+                                   f"--dtype {dtypes[0]}")
+            by_dtype[d] = (np.asarray(table.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32), extra)
+        labels = first.column("label").to_pylist()
         check_labels(task, labels)  # again: what the run actually read (BigQuery, remote files, failed rows)
-        features = np.asarray(table.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32)
-        prompts = set(table.column("prompt").to_pylist())
-        if len(prompts) != 1:
-            raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
-        prompt = prompts.pop()
-        extra, label_rows_note = None, None
-        if f.label_rows != "false":
-            rows_of_labels = staging.read_label_rows()
-            expected = len(task_label_rows(task)[0])
-            staged_rows = 0 if rows_of_labels is None else rows_of_labels.num_rows
-            if staged_rows != expected and f.label_rows == "true":
-                raise ValueError(f"{expected - staged_rows} of the task's {expected} label rows failed "
-                                 f"(a label name or description the step refused, e.g. longer than "
-                                 f"--max_text_tokens with --overflow reject); fit without --label_rows or change them")
-            if staged_rows != expected:  # (auto: fit without them, and say why)
-                label_rows_note = (f"label rows not used: {expected - staged_rows} of the task's {expected} failed "
-                                   f"(e.g. longer than --max_text_tokens with --overflow reject)")
-                _LOGGER.warning("%s", label_rows_note)
-            else:
-                if set(rows_of_labels.column("prompt").to_pylist()) - {prompt}:
-                    raise RuntimeError("the task's label rows came from another prompt than the rows'")
-                extra = (np.asarray(rows_of_labels.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32),
-                         rows_of_labels.column("label").to_pylist(), rows_of_labels.column("text").to_pylist(),
-                         rows_of_labels.column("hash").to_pylist())
+        prompt = first.column("prompt")[0].as_py()
         # (the n-grams read each row's whole text; a row cut at --max_text_tokens is read cut
         # when classified)
-        texts = table.column("text").to_pylist()
-        hashes = table.column("hash").to_pylist()
+        texts = first.column("text").to_pylist()
+        hashes = first.column("hash").to_pylist()
         searched = {}
         if found is not None:
-            costs = fit_search.ms_per_row(embed.config.model, o.dtype, task, texts, found)
+            costs = fit_search.ms_per_row(embeds[dtypes[0]].config.model, dtypes, task, texts, found)
             head, table_of, chosen = fit_search.fit_candidates(
-                found, layers, features, labels, hashes, task, prompt=prompt, dtype=o.dtype, folds=f.folds,
-                texts=texts if f.lexical == "true" else None, extra=extra, prefer=f.prefer, costs=costs,
-                label_rows=f.label_rows)
+                found, layers, by_dtype, labels, hashes, task, prompt=prompt, folds=f.folds,
+                texts=texts if f.lexical == "true" else None, prefer=f.prefer, costs=costs,
+                label_rows=f.label_rows, why=why)
             searched = {"candidates": table_of, "chosen": chosen}
             layers, pooling = head.layers, head.pooling
         else:
+            (dtype, (features, extra)), = by_dtype.items()
             head, by_folds = fit_search.with_or_without_label_rows(
                 lambda more: fit_head(features, labels, hashes, task, layers=layers,
-                                      fingerprint=feature_fingerprint(prompt, precision_of(o.dtype), layers, pooling),
+                                      fingerprint=feature_fingerprint(prompt, precision_of(dtype), layers, pooling),
                                       folds=f.folds, pooling=pooling, texts=texts if f.lexical == "true" else None,
-                                      extra=more, dtype=o.dtype), extra, f.label_rows)
+                                      extra=more, dtype=dtype), extra, f.label_rows)
             if by_folds is not None:
                 searched = {"label_rows_fold_accuracy": by_folds}
         if label_rows_note:
@@ -280,7 +276,7 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | Non
         staging.delete()
     write_head(head, o.output)  # all or nothing
     summary = {"head": o.output, "task": task.name, "rows_used": len(labels), "rows_failed": n_failed,
-               "features": int(head.features), "layers": list(layers), "pooling": pooling,
+               "features": int(head.features), "layers": list(layers), "pooling": pooling, "dtype": head.dtype,
                "features_s": round(features_s, 2), **searched,
                "lexical_alpha": head.lexical.alpha if head.lexical is not None else 0.0,
                "label_rows": head.metrics.get("label_rows", 0),
@@ -289,6 +285,42 @@ def _fit(options: PipelineOptions, task_file: str, layers: tuple[int, ...] | Non
     if o.summary_output:  # where a Flex Template's launcher output is not at hand
         write_json(summary, o.summary_output)
     return summary
+
+
+def _staged(staging: FeatureStaging, dtype: str, task, label_rows: str):
+    """One precision's staged rows, in one order whatever order the workers delivered them in
+    (the folds split rows by position, so the head is the same on every runner and run),
+    with the task's label rows as `fit_head_from_features` takes them (None: not used) and
+    why they were not used (or None).
+
+    Raises:
+        RuntimeError: features from more than one prompt.
+        ValueError: with ``--label_rows true``, label rows that failed.
+    """
+    table = staging.read_features(dtype)
+    table = table.sort_by([("hash", "ascending"), ("text", "ascending"), ("label", "ascending")])
+    prompts = set(table.column("prompt").to_pylist())
+    if len(prompts) != 1:
+        raise RuntimeError(f"the features came from {len(prompts)} prompts {sorted(prompts)}; expected one")
+    if label_rows == "false":
+        return table, None, None
+    rows_of_labels = staging.read_label_rows(dtype)
+    expected = len(task_label_rows(task)[0])
+    staged_rows = 0 if rows_of_labels is None else rows_of_labels.num_rows
+    if staged_rows != expected and label_rows == "true":
+        raise ValueError(f"{expected - staged_rows} of the task's {expected} label rows failed "
+                         f"(a label name or description the step refused, e.g. longer than "
+                         f"--max_text_tokens with --overflow reject); fit without --label_rows or change them")
+    if staged_rows != expected:  # (auto: fit without them, and say why)
+        note = (f"label rows not used: {expected - staged_rows} of the task's {expected} failed "
+                f"(e.g. longer than --max_text_tokens with --overflow reject)")
+        _LOGGER.warning("%s", note)
+        return table, None, note
+    if set(rows_of_labels.column("prompt").to_pylist()) - prompts:
+        raise RuntimeError("the task's label rows came from another prompt than the rows'")
+    return table, (np.asarray(rows_of_labels.column(FEATURES_COLUMN).to_pylist(), dtype=np.float32),
+                   rows_of_labels.column("label").to_pylist(), rows_of_labels.column("text").to_pylist(),
+                   rows_of_labels.column("hash").to_pylist()), None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,7 +341,7 @@ def _format(s: dict) -> str:
         return fit_extraction.format_summary(s)
     lines = [fit_search.format_table(s["candidates"], s["chosen"])] if s.get("candidates") else []
     lines += [f"head written: {s['head']} (task {s['task']}, {s['features']} features from layers {s['layers']}, "
-              f"{s.get('pooling', 'last')} pooling)",
+              f"{s.get('pooling', 'last')} pooling, {s.get('dtype') or 'float32'})",
               f"rows: {s['rows_used']} used, {s['rows_failed']} failed",
               f"features: {s['features_s']:.1f} s; fit: {s['fit_s']:.1f} s"]
     if s.get("kfold_accuracy") is None:  # a label with one row: nothing to hold out

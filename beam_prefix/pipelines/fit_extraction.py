@@ -29,6 +29,7 @@ from beam_prefix.engines.extraction_fitting import fit_extraction_head
 from beam_prefix.engines.extractor import Extractor
 from beam_prefix.model.loading import EMBEDDED
 from beam_prefix.pipelines.fit_io import write_head
+from beam_prefix.pipelines.options import step_dtype
 from beam_prefix.pipelines.summary import write_json
 from beam_prefix.tasks.extract_task import ExtractionSpec
 from beam_prefix.tasks.task_file import read_task_file
@@ -97,8 +98,8 @@ def fit_extraction(options: PipelineOptions, task_file: str) -> dict:
         task = task.replace(name=os.path.splitext(os.path.basename(task_file))[0])
     rows = read_labelled(o.input)
     start = time.perf_counter()
-    extractor = Extractor.load(task, model=o.model or task.model or EMBEDDED, dtype=o.dtype, threads=o.torch_threads,
-                               device=o.device, batch_size=o.batch_size or 16, verify=o.verify == "true")
+    extractor = Extractor.load(task, model=o.model or task.model or EMBEDDED, dtype=step_dtype(options),
+                               threads=o.torch_threads, device=o.device, batch_size=o.batch_size or 16, verify=o.verify == "true")
     head = fit_extraction_head(extractor, rows, folds=f.folds)
     write_head(head, o.output)
     summary = {"head": o.output, "task": task.name, "kind": "extract", "rows_used": len(rows),

@@ -65,29 +65,33 @@ class FeatureStaging:
                 _LOGGER.info("removing %s, left by an earlier fit of %s that did not finish", folder, self.name)
                 self._delete(folder)
 
-    @property
-    def features(self) -> str:
-        """The features' file prefix (a Parquet sink writes ``features-*.parquet``)."""
-        return join(self.path, "features")
+    def features_of(self, dtype: str) -> str:
+        """The features' file prefix in one precision (a Parquet sink writes
+        ``features_<dtype>-*.parquet``)."""
+        return join(self.path, f"features_{dtype}")
 
-    @property
-    def label_rows(self) -> str:
-        """The task's label rows' features' file prefix (``--label_rows true``)."""
-        return join(self.path, "label_rows")
+    def label_rows_of(self, dtype: str) -> str:
+        """The task's label rows' features' file prefix in one precision."""
+        return join(self.path, f"label_rows_{dtype}")
 
     @property
     def failed(self) -> str:
         """The failed-row count's file prefix (a text sink)."""
         return join(self.path, "failed")
 
-    def read(self) -> tuple[pa.Table, int]:
-        """The staged features (one table) and the number of failed rows."""
-        counts = matches(self.failed + "*")
-        return self._table(self.features), sum(int(_read(p).decode("ascii").strip() or 0) for p in counts)
+    def read_features(self, dtype: str) -> pa.Table:
+        """The staged features in one precision (one table)."""
+        return self._table(self.features_of(dtype))
 
-    def read_label_rows(self) -> pa.Table | None:
-        """The staged features of the task's label rows (one table; None: none staged)."""
-        return self._table(self.label_rows) if matches(self.label_rows + "*") else None
+    def failed_count(self) -> int:
+        """The number of failed rows."""
+        return sum(int(_read(p).decode("ascii").strip() or 0) for p in matches(self.failed + "*"))
+
+    def read_label_rows(self, dtype: str) -> pa.Table | None:
+        """The staged features of the task's label rows in one precision (one table; None:
+        none staged)."""
+        prefix = self.label_rows_of(dtype)
+        return self._table(prefix) if matches(prefix + "*") else None
 
     @staticmethod
     def _table(prefix: str) -> pa.Table:

@@ -25,7 +25,7 @@ from beam_prefix.tasks.task import TaskSpec
 from beam_prefix.tasks.task_file import read_task_file
 from beam_prefix.beam.classify_transform import ClassifyText
 
-__all__ = ["StepOptions", "ClassifyOptions", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "refuse_local_paths", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
+__all__ = ["StepOptions", "ClassifyOptions", "step_dtype", "refuse_unknown_flags", "join_negative_lists", "DEFAULT_TASKS", "DEFAULT_OUTPUT", "classify_transform", "validate", "refuse_local_paths", "SAMPLE_TICKETS", "SAMPLE_GOLD_COLUMN",
            "INPUT_FORMATS", "OUTPUT_FORMATS", "BIGQUERY_WRITE_METHODS"]
 
 SAMPLE_TICKETS = shipped_data_path("sample_tickets.parquet")
@@ -100,10 +100,12 @@ class StepOptions(PipelineOptions):
                                 "(default): on a runner whose workers are not this process (Dataflow, Flink, "
                                 "Spark, a job server) when --temp_location is given; true: always (needs "
                                 "--temp_location); false: never.")
-        model.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        model.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "auto"),
                            help="float32 (exact), bfloat16 (faster where the CPU has native bf16, and on GPUs) or "
-                                "float16 (GPUs only). Default: the precision the task's head was fit in, else "
-                                "float32 (pipelines.fit: float32).")
+                                "float16 (GPUs only). Default (auto): the precision the task's head was fit in, else "
+                                "float32; pipelines.fit compares float32 and, where this machine computes bf16 "
+                                "natively (AVX512-BF16 or AMX, or a GPU), bfloat16 among its candidates, and the head "
+                                "records the one chosen.")
         model.add_argument("--device", default="cpu",
                            help="Where each worker places the model: cpu (default), cuda, cuda:N, or auto (a GPU "
                                 "where the worker has one). See docs/scale.md, GPU workers.")
@@ -170,6 +172,13 @@ class ClassifyOptions(PipelineOptions):
                                 "labels, else false).")
 
 
+def step_dtype(options: PipelineOptions) -> str | None:
+    """The --dtype a step is built with: None (the head's precision, else float32) for
+    ``auto`` or none given."""
+    dtype = options.view_as(StepOptions).dtype
+    return None if dtype in (None, "auto") else dtype
+
+
 def validate(options: PipelineOptions) -> None:
     """Fail early on flag combinations that cannot work, naming the flag."""
     o, c = options.view_as(StepOptions), options.view_as(ClassifyOptions)
@@ -182,9 +191,9 @@ def validate(options: PipelineOptions) -> None:
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
     try:
-        check_device(o.device, o.dtype or "float32")
+        check_device(o.device, step_dtype(options) or "float32")
     except ValueError as e:
-        raise ValueError(f"--device={o.device} --dtype={o.dtype or 'float32'}: {e}") from None
+        raise ValueError(f"--device={o.device} --dtype={step_dtype(options) or 'float32'}: {e}") from None
     runner = (options.view_as(StandardOptions).runner or "DirectRunner").lower()
     if o.device == "auto" and o.dtype == "float16" and runner in ("directrunner", "prismrunner") \
             and not _cuda_here():  # the workers are this machine: auto is the CPU
@@ -243,7 +252,7 @@ def classify_transform(options: PipelineOptions, keep_columns=None) -> ClassifyT
         if c.task_dir else dict(task=TaskSpec.from_yaml(o.task or DEFAULT_TASK))
     calibration = None if c.calibration is None else c.calibration == "true"
     return ClassifyText(**tasks, model=o.model, text_column=o.text_column, id_column=o.id_column,
-                        dtype=o.dtype, threads=o.torch_threads, min_batch_size=o.min_batch_size,
+                        dtype=step_dtype(options), threads=o.torch_threads, min_batch_size=o.min_batch_size,
                         max_batch_size=o.max_batch_size, batch_size=o.batch_size or 16,
                         max_text_tokens=o.max_text_tokens, overflow=o.overflow, calibration=calibration,
                         verify=o.verify == "true", label_search=c.label_search, top_k=c.top_k,

@@ -78,7 +78,8 @@ class SpanTagger:
             own and the next one's; past the row's suffix: zeros).
         weight: ``[T, D]``, with ``D = F = H * len(layers) * len(window)`` (linear) or the
             hidden width; bias ``[T]``; mean, std: ``[F]`` (std > 0).
-        hidden_weight, hidden_bias: ``[D, F]``, ``[D]``: the hidden layer (None: linear).
+        hidden_weight: ``[D, F]``, the hidden layer's weight (None: a linear tagger).
+        hidden_bias: ``[D]``, its bias (None: a linear tagger).
         transitions: ``[T, T]`` scores added where one tag follows another (`best_path`;
             weighted `span_tags.tag_transitions`); default zeros.
     """
