@@ -99,7 +99,7 @@ def _extraction_heads(d: dict) -> tuple:
     f1, ms, t = d["micro_f1"], d["ms_per_row"], d["tickets"]
     return (f"slot F1 ({f1['head, 70']:.3f}) is above every engine the benchmark published and above the CRF on "
             f"the same rows ({f1['CRF, 70']:.3f})",
-            f"whole training file ({f1['head, all']:.3f}) they are level with the published Snips NLU figure "
+            f"whole training file ({f1['head, all']:.3f}) they are above the published Snips NLU figure "
             f"({d['anchors']['Snips NLU (CRF)']['all']:.3f}) but under the CRF of this run ({f1['CRF, all']:.3f})",
             f"zero-shot ({f1['decoding']:.3f})", f"cost {ms['head, all']:.2f} ms", f"against decoding's "
             f"{ms['decoding']:.2f} ms", f"costs {ms['CRF, all']:.2f} ms",
