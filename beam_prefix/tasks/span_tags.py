@@ -26,7 +26,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["TagSet", "Span", "token_tags", "tag_transitions", "best_path", "spans_of", "whole_words", "span_value", "SPAN_TYPES", "trimmed"]
+__all__ = ["TagSet", "Span", "token_tags", "tag_transitions", "best_path", "spans_of", "whole_words", "span_value",
+           "SPAN_TYPES", "trimmed"]
 
 SPAN_TYPES = ("string", "number", "integer", "date")  # fields read from a span of the text
 _NOT_TEXT = (-1, -1)  # a suffix token that is none of the row's text (the template's own)
