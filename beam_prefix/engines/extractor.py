@@ -152,25 +152,26 @@ class Extractor(PrefixEngine):
 
     # -- hidden states (a head's input, and what fitting one reads) --------------------------
 
-    def states_encoded(self, encoded: Sequence[EncodedText], layers: Sequence[int], *,
-                       to_cpu: bool = True) -> list[tuple]:
-        """Each row's hidden states at its suffix tokens, ``[N_i, H]`` per index of `layers`
-        (float32; on the CPU, or with `to_cpu` False on the model's device, where a head reads
-        them): one suffix pass per batch over the cached prefix."""
+    def states_encoded(self, encoded: Sequence[EncodedText], layers: Sequence[int]) -> list[tuple]:
+        """Each row's hidden states at its suffix tokens, ``[N_i, H]`` per index of `layers`,
+        float32 on the CPU, where a head reads them: one suffix pass per batch over the cached
+        prefix, and one copy to the host per batch and layer (not per row: on a GPU each
+        copy waits for the device)."""
         def run(suffixes):
             states, step = suffix_states(self.model, self.prefix_cache, suffixes, working=self._working,
                                          layers=tuple(layers), device=self.device)
             lengths = step.lengths.tolist()
-            return [tuple(_placed(s[i, :n], to_cpu) for s in states) for i, n in enumerate(lengths)]
+            on_host = [s.float().cpu() for s in states]
+            return [tuple(s[i, :n] for s in on_host) for i, n in enumerate(lengths)]
 
         return self._each_batch(encoded, 0, run)
 
-    def states_full(self, text: str, layers: Sequence[int], *, to_cpu: bool = True) -> tuple:
+    def states_full(self, text: str, layers: Sequence[int]) -> tuple:
         """The reference of `states_encoded` for one text: its whole prompt re-encoded with
-        no cache, the states at the positions of its suffix."""
+        no cache, the states at the positions of its suffix (float32, on the CPU)."""
         ids, enc = self.layout.encode_full(text)
         n = len(enc.suffix_ids)
-        return tuple(_placed(s[-n:], to_cpu) for s in full_states(self.model, ids, tuple(layers), self.device))
+        return tuple(s[-n:].float().cpu() for s in full_states(self.model, ids, tuple(layers), self.device))
 
     # -- extraction ---------------------------------------------------------------------
 
@@ -181,7 +182,7 @@ class Extractor(PrefixEngine):
     def extract_encoded(self, encoded: Sequence[EncodedText]) -> list[Extraction]:
         """Extract from already encoded texts, in batches of similar length."""
         if self.reader is not None:
-            states = self.states_encoded(encoded, self.task.head.layers, to_cpu=False)
+            states = self.states_encoded(encoded, self.task.head.layers)
             return [self._read(s, e) for s, e in zip(states, encoded)]
 
         def run(suffixes):
@@ -197,7 +198,7 @@ class Extractor(PrefixEngine):
         out = []
         for text in texts:
             if self.reader is not None:
-                out.append(self._read(self.states_full(text, self.task.head.layers, to_cpu=False), self.encode(text)))
+                out.append(self._read(self.states_full(text, self.task.head.layers), self.encode(text)))
                 continue
             ids, enc = self.layout.encode_full(text)
             decoded = decode_full(self.model, ids, self.constraint.matchers(1), 0, self.task.max_new_tokens)
@@ -263,8 +264,3 @@ class Extractor(PrefixEngine):
                           generated_tokens=len(decoded.tokens), text_tokens=enc.text_tokens,
                           truncated=enc.truncated, tokens=decoded.tokens, problem=problem,
                           suffix_tokens=len(enc.suffix_ids))
-
-
-def _placed(states: torch.Tensor, to_cpu: bool) -> torch.Tensor:
-    """A row's states as float32, on the CPU or left where they are."""
-    return states.float().cpu() if to_cpu else states.float()

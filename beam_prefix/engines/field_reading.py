@@ -73,7 +73,7 @@ class ReadFields:
 
 def read_fields(reader: FieldReader, states: Sequence[torch.Tensor], offsets: Sequence[tuple[int, int]],
                 text: str) -> ReadFields:
-    """The row's fields from its suffix `states` (``[N, H]`` at `reader.layers`), its
+    """The row's fields from its suffix `states` (``[N, H]`` at `reader.layers`, on the CPU), its
     tokens' `offsets` into `text` (`PromptLayout.text_offsets`) and `text`."""
     head = reader.head
     values: dict[str, Any] = {}
@@ -82,7 +82,7 @@ def read_fields(reader: FieldReader, states: Sequence[torch.Tensor], offsets: Se
     logits = []
     if head.tagger is not None:
         tagger = head.tagger
-        tag_logits = tagger.logits(tagger.features(reader.take(states, tagger.layers))).cpu()  # (the model's device)
+        tag_logits = tagger.logits(tagger.features(reader.take(states, tagger.layers)))
         logits.append(tag_logits.flatten())
         log_probs = torch.log_softmax(tag_logits, -1).numpy()
         is_text = np.array([start >= 0 for start, _ in offsets])
@@ -102,7 +102,7 @@ def read_fields(reader: FieldReader, states: Sequence[torch.Tensor], offsets: Se
         else:
             field_head = head.field_heads[field.name]
             features = pooled(reader.take(states, field_head.layers), field_head.pooling)
-            row_logits = field_head.logits(features[None])[0].cpu()
+            row_logits = field_head.logits(features[None])[0]
             logits.append(row_logits)
             label = field_head.labels[int(row_logits.argmax())]
             values[field.name] = (label == "true") if field.type == "boolean" else label
