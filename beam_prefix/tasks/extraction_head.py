@@ -36,8 +36,8 @@ import torch
 
 from beam_prefix.errors import TaskSpecError
 from beam_prefix.tasks.span_tags import SPAN_TYPES, TagSet
-from beam_prefix.tasks.trained_head import (DTYPES, TrainedHead, _check_regular, _copy_remote, feature_fingerprint,
-                                            refuse_other_features, text_hash)
+from beam_prefix.tasks.trained_head import (DTYPES, TrainedHead, _check_regular, _copy_remote, among_rows,
+                                            feature_fingerprint, refuse_other_features)
 
 __all__ = ["ExtractionHead", "SpanTagger", "EXTRACTION_HEAD_KEY", "field_signature", "window_features"]
 
@@ -206,9 +206,9 @@ class ExtractionHead:
         """The feature fingerprint a part reading `layers` records (a field head's)."""
         return feature_fingerprint(self.fingerprint, self.dtype or "float32", layers, pooling)
 
-    def trained_on(self, text: str) -> bool:
-        """Whether a row with this text was one of the head's training rows."""
-        return isinstance(text, str) and text_hash(text) in self.train_hashes
+    def trained_on(self, text: str | bytes) -> bool:
+        """Whether a row with this text (UTF-8 bytes decoded) was one of the head's training rows."""
+        return among_rows(self.train_hashes, text)
 
     def check(self, fields, fingerprint: str, *, task: str, model: str) -> None:
         """Refuse a head fit for other fields, or on another prompt, model or dtype.

@@ -37,7 +37,7 @@ from beam_prefix.model.loading import precision_of
 from beam_prefix.tasks.lexical_head import LexicalHead
 
 __all__ = ["TrainedHead", "text_hash", "feature_fingerprint", "HEAD_METADATA_KEY", "MAX_HEAD_FILE_BYTES", "POOLINGS", "EMBED_POOLINGS", "DTYPES", "dtype_for",
-           "refuse_other_features"]
+           "refuse_other_features", "among_rows"]
 
 HEAD_METADATA_KEY = "beam_prefix_head"
 _FORMAT = 1
@@ -47,6 +47,17 @@ def text_hash(text: str) -> int:
     """A 63-bit hash of a row's (stripped) text: how a head remembers its training rows."""
     digest = hashlib.sha256(text.strip().encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def among_rows(train_hashes, text) -> bool:
+    """Whether a row with this text (as the engine reads it: UTF-8 bytes decoded) is among
+    the training rows whose `text_hash`es are `train_hashes`."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            return False  # such a row fails; it was not a training row either
+    return isinstance(text, str) and text_hash(text) in train_hashes
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # load_model's dtype names a head may record
@@ -229,12 +240,7 @@ class TrainedHead:
     def trained_on(self, text: str | bytes) -> bool:
         """Whether a row with this text (as the engine reads it: UTF-8 bytes decoded) was one
         of the head's training rows."""
-        if isinstance(text, bytes):
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError:
-                return False  # such a row fails; it was not a training row either
-        return isinstance(text, str) and text_hash(text) in self.train_hashes
+        return among_rows(self.train_hashes, text)
 
     def check(self, labels: Sequence[str], fingerprint: str, *, task: str, model: str) -> None:
         """Refuse a head fit for other labels, or on another prompt, model, dtype or layers.
